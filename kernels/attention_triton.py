@@ -1,0 +1,198 @@
+"""Triton paged attention and KV-cache store; same semantics as attention_ref.
+
+The attention kernel runs one program per (query tile, kv head). A query tile is up to
+BLOCK_Q consecutive query tokens of one request; its rows are those tokens times the
+GQA group of query heads sharing the kv head, so K/V are read once per group and the
+tile is big enough for tl.dot even at decode (q_len=1). Each program walks the request's
+context in tiles of BLOCK_N positions read through the block table, with online softmax.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec.kernels.metadata import AttentionMetadata
+
+BLOCK_M = 16  # rows per program (tokens x heads); tl.dot needs at least 16
+BLOCK_N = 32  # context positions per inner-loop tile
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,  # [T, Hkv, D]
+    value_ptr,  # [T, Hkv, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    slot_ptr,  # [T] int64
+    s_kt, s_kh, s_vt, s_vh,  # key/value strides (token, head); last dim contiguous
+    s_cslot, s_ch,  # cache strides (flat slot, head); both caches share a layout
+    H: tl.constexpr, D: tl.constexpr, H_P: tl.constexpr, D_P: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:  # negative slots mark padding tokens that own no cache entry
+        h = tl.arange(0, H_P)[:, None]
+        d = tl.arange(0, D_P)[None, :]
+        m = (h < H) & (d < D)
+        k = tl.load(key_ptr + t * s_kt + h * s_kh + d, mask=m)
+        v = tl.load(value_ptr + t * s_vt + h * s_vh + d, mask=m)
+        dst = slot * s_cslot + h * s_ch + d
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=m)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=m)
+
+
+def store_kv_triton(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    T, H, D = key.shape
+    if T == 0:
+        return
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert key.stride(2) == 1 and value.stride(2) == 1
+    _store_kv_kernel[(T,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(1), k_cache.stride(2),
+        H=H, D=D, H_P=triton.next_power_of_2(H), D_P=triton.next_power_of_2(D),
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    out_ptr,  # [T, Hq, D]
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    query_start_loc_ptr,  # [B + 1] int32
+    tree_mask_ptr,  # [T, max_query_len] uint8 (unused unless IS_TREE)
+    tile_req_ptr,  # [num_tiles] int32: request of each query tile
+    tile_q0_ptr,  # [num_tiles] int32: first query index of the tile within its request
+    s_qt, s_qh, s_ot, s_oh,  # query/output strides (token, head)
+    s_cb, s_cs, s_ch,  # cache strides (block, slot in block, head); both caches alike
+    s_bt, s_tm,  # block-table row stride, tree-mask row stride
+    qk_scale,  # softmax scale * log2(e): scores go through exp2
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr,
+    D: tl.constexpr, D_P: tl.constexpr, IS_TREE: tl.constexpr,
+):
+    tile, kvh = tl.program_id(0), tl.program_id(1)
+    req = tl.load(tile_req_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    prefix = seq_len - q_len
+
+    # Row r is query token q0 + r // GROUP_P with query head kvh * GROUP + r % GROUP_P.
+    r = tl.arange(0, BLOCK_Q * GROUP_P)
+    qi = q0 + r // GROUP_P  # [M] query index within the request
+    head = kvh * GROUP + r % GROUP_P
+    row_ok = (qi < q_len) & (r % GROUP_P < GROUP)
+    tok = q_start + qi  # [M] flattened token index
+    d = tl.arange(0, D_P)
+    d_ok = d < D
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q_ptrs = q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+
+    # Causal tiles never look past their last query; tree nodes may see any query token.
+    if IS_TREE:
+        ctx_end = seq_len
+    else:
+        ctx_end = tl.minimum(seq_len, prefix + q0 + BLOCK_Q)
+
+    # Finite floor instead of -inf so fully-masked tiles give exp2(-inf - m) = 0, not NaN.
+    m_i = tl.full([BLOCK_Q * GROUP_P], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P, D_P], tl.float32)
+    for n0 in range(0, ctx_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)  # [N] context positions
+        pos_ok = pos < ctx_end
+        blk = tl.load(block_tables_ptr + req * s_bt + pos // KV_BLOCK, mask=pos_ok, other=0)
+        kv_off = blk.to(tl.int64) * s_cb + (pos % KV_BLOCK) * s_cs + kvh * s_ch
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale  # [M, N]
+        visible = _visible(pos, qi, tok, row_ok, prefix, q_len, tree_mask_ptr, s_tm, IS_TREE)
+        s = tl.where(visible & pos_ok[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_ptrs = out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _visible(pos, qi, tok, row_ok, prefix, q_len, tree_mask_ptr, s_tm, IS_TREE: tl.constexpr):
+    """[M, N] bool: may query row (qi, tok) see context position pos."""
+    if IS_TREE:
+        j = pos[None, :] - prefix  # query-token index of the position
+        in_q = row_ok[:, None] & (j >= 0) & (j < q_len)
+        tm = tl.load(tree_mask_ptr + tok[:, None] * s_tm + j, mask=in_q, other=0)
+        return (pos[None, :] < prefix) | (tm != 0)
+    else:
+        return pos[None, :] <= prefix + qi[:, None]
+
+
+@functools.lru_cache(maxsize=16)
+def _tile_index(
+    query_lens: tuple[int, ...], block_q: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tiles] int32, [num_tiles] int32)
+    """Request and first query index of every query tile. Cached: all layers of a step
+    share one batch layout, so only the first layer pays the host->device copy."""
+    reqs: list[int] = []
+    starts: list[int] = []
+    for b, n in enumerate(query_lens):
+        for q0 in range(0, n, block_q):
+            reqs.append(b)
+            starts.append(q0)
+    to_dev = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    return to_dev(reqs), to_dev(starts)
+
+
+def paged_attention_triton(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    T, Hq, D = query.shape
+    Hkv, kv_block = k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty_like(query)
+    if T == 0:
+        return out
+    assert query.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    group_p = triton.next_power_of_2(Hq // Hkv)
+    block_q = max(1, BLOCK_M // group_p)
+    tile_req, tile_q0 = _tile_index(tuple(meta.query_lens_cpu), block_q, query.device)
+    # bool -> uint8 is a free reinterpretation; the kernel never reads it when causal.
+    tree = tile_req if meta.tree_mask is None else meta.tree_mask.contiguous().view(torch.uint8)
+    s_tm = 0 if meta.tree_mask is None else tree.stride(0)
+    _paged_attention_kernel[(tile_req.numel(), Hkv)](
+        query, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        tree, tile_req, tile_q0,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        meta.block_tables.stride(0), s_tm, scale * 1.4426950408889634,
+        GROUP=Hq // Hkv, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
+        KV_BLOCK=kv_block, D=D, D_P=triton.next_power_of_2(D), IS_TREE=meta.tree_mask is not None,
+    )
+    return out

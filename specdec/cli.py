@@ -1,0 +1,92 @@
+"""`specdec serve | generate | models pull | eval` — the command line, vLLM style."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from specdec.model_registry import DEFAULT_MODEL, KNOWN_MODELS, pull
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    parser.add_argument("--enable-prefix-caching", action="store_true")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        speculative_config=args.speculative_config, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+        dtype=args.dtype, seed=args.seed,
+    )
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from specdec.llm import LLM
+    from specdec.sampling_params import SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    print(out.outputs[0].text)
+    if args.speculative_config:
+        print(json.dumps(llm.get_metrics()), file=sys.stderr)
+
+
+def _pull(args: argparse.Namespace) -> None:
+    print(pull(args.name, force=args.force))
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from specdec.server.app import serve
+
+    serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--served-model-name", default=None)
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+    gen = sub.add_parser("generate", help="one-off generation")
+    gen.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    models = sub.add_parser("models", help="manage known models").add_subparsers(dest="action", required=True)
+    pull_cmd = models.add_parser("pull", help="fetch and convert a known model")
+    pull_cmd.add_argument("name", choices=sorted(KNOWN_MODELS))
+    pull_cmd.add_argument("--force", action="store_true")
+    pull_cmd.set_defaults(func=_pull)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

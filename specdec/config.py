@@ -1,0 +1,72 @@
+"""Engine and speculation settings, validated once at start-up."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+METHODS = ("ngram", "draft_model", "medusa")
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~23k tokens of KV for the default model in fp32
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int = 5
+    model: str | None = None  # draft model dir or known name (draft_model, medusa heads dir)
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        if raw is None or isinstance(raw, SpeculativeConfig):
+            return raw
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known keys: {sorted(known)}")
+        if "method" not in raw:
+            raise ValueError(f"speculative_config needs a 'method', one of {METHODS}")
+        config = cls(**raw)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not one of {METHODS}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative method 'draft_model' needs 'model': a draft model directory or name")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    block_size: int = 16
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
+    enable_prefix_caching: bool = False
+    speculative_config: SpeculativeConfig | None = None
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")

@@ -1,0 +1,210 @@
+"""The engine loop: schedule → propose → run → verify → commit."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from specdec.block_manager import BlockManager
+from specdec.config import EngineConfig
+from specdec.detokenizer import IncrementalDetokenizer
+from specdec.metrics import EngineMetrics
+from specdec.model_registry import read_json, resolve_model
+from specdec.model_runner import KVCache, ModelRunner
+from specdec.models import load_model
+from specdec.output_processor import commit_tokens, make_output
+from specdec.outputs import RequestOutput
+from specdec.request import Request
+from specdec.sampling_params import SamplingParams
+from specdec.scheduler import ScheduledRequest, Scheduler
+from specdec.verify import verify
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.device = torch.device("cpu")
+        self.model = load_model(self.model_dir, dtype=config.dtype, device=self.device)
+        self.model_config = self.model.config
+        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
+        self.block_manager = BlockManager(self._num_blocks(), config.block_size, config.enable_prefix_caching)
+        kv_cache = KVCache(self.model_config.num_layers, self.block_manager.num_blocks, config.block_size,
+                           self.model_config.num_kv_heads, self.model_config.head_dim, config.dtype, self.device)
+        self.runner = ModelRunner(self.model, config, kv_cache, self.device)
+        spec = config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
+        self.scheduler = Scheduler(config, self.block_manager, self.num_speculative_tokens)
+        self.drafter = _build_drafter(self) if spec else None
+        self.metrics = EngineMetrics(self.num_speculative_tokens)
+
+    def _num_blocks(self) -> int:
+        mc = self.model_config
+        per_block = KVCache.bytes_per_block(mc.num_layers, self.config.block_size, mc.num_kv_heads,
+                                            mc.head_dim, self.config.dtype)
+        num_blocks = int(self.config.kv_cache_memory // per_block)
+        # One request of max_model_len tokens must always fit, or it could never finish.
+        needed = -(-self.max_model_len // self.config.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"kv_cache_memory={self.config.kv_cache_memory} bytes holds {num_blocks} KV blocks "
+                f"({num_blocks * self.config.block_size} tokens), fewer than max_model_len={self.max_model_len} "
+                f"needs ({needed} blocks of {per_block} bytes); raise kv_cache_memory or lower max_model_len")
+        return num_blocks
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    use_speculation: bool = True) -> Request:
+        prompt_text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(token_ids)
+        if self.scheduler.find(request_id) is not None:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+        request = Request(request_id, token_ids, params, detok, max_tokens, self.eos_token_ids,
+                          use_speculation and self.drafter is not None, prompt_text)
+        self.scheduler.add(request)
+        self.metrics.num_prompt_tokens += len(token_ids)
+        return request
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
+                             f"the prompt must be shorter than max_model_len to leave room for output")
+        blocks = self.block_manager.blocks_needed(len(token_ids) + 1)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens and needs {blocks} KV blocks, "
+                             f"but the KV cache holds only {self.block_manager.num_blocks}")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.find(request_id)
+        if request is None:
+            return None
+        request.finish_reason = "abort"
+        self._finish(request)
+        return make_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        try:
+            draft_probs = self._propose(batch)
+            output = self.runner.execute(batch)
+            sampled = verify(batch, output, draft_probs)
+        except Exception as error:  # a failed step fails its requests, not the engine
+            logger.exception("engine step failed")
+            return self._fail(batch, error)
+        self.metrics.num_steps += 1
+        return self._postprocess(batch, sampled, output.num_rows)
+
+    def _propose(self, batch: list[ScheduledRequest]) -> list[torch.Tensor | None]:
+        from specdec.drafters.base import DraftRequest
+
+        items = [item for item in batch if item.num_lookahead > 0]
+        probs: list[torch.Tensor | None] = [None] * len(batch)
+        if not items or self.drafter is None:
+            return probs
+        requests = [DraftRequest(i.request.request_id, i.request.all_token_ids, i.num_lookahead,
+                                 i.request.sampling_params) for i in items]
+        drafts = iter(self.drafter.propose(requests))
+        for index, item in enumerate(batch):
+            if item.num_lookahead > 0:
+                draft = next(drafts)
+                item.draft_token_ids = draft.token_ids[: item.num_lookahead]
+                probs[index] = None if draft.probs is None else draft.probs[: len(item.draft_token_ids)]
+        return probs
+
+    def _postprocess(self, batch: list[ScheduledRequest], sampled: list[list[int]],
+                     num_rows: list[int]) -> list[RequestOutput]:
+        outputs = []
+        for item, tokens, rows in zip(batch, sampled, num_rows):
+            request = item.request
+            request.num_computed_tokens += item.num_query_tokens
+            if rows == 0:
+                self.block_manager.cache_blocks(request)
+                continue
+            self._commit(item, tokens)
+            outputs.append(make_output(request))
+            if request.finish_reason is not None:
+                self._finish(request)
+        return outputs
+
+    def _commit(self, item: ScheduledRequest, tokens: list[int]) -> None:
+        request = item.request
+        num_drafts = len(item.draft_token_ids)
+        num_accepted = len(tokens) - 1
+        request.num_computed_tokens -= num_drafts - num_accepted  # roll back rejected drafts
+        kept = commit_tokens(request, tokens, self.max_model_len)
+        if num_drafts:
+            self.metrics.observe_draft(num_drafts, min(num_accepted, kept))
+        self.metrics.num_generation_tokens += kept
+        self.block_manager.truncate(request, request.num_tokens)
+        self.block_manager.cache_blocks(request)
+
+    def _fail(self, batch: list[ScheduledRequest], error: Exception) -> list[RequestOutput]:
+        outputs = []
+        for item in batch:
+            item.request.finish_reason = "error"
+            item.request.error = f"{type(error).__name__}: {error}"
+            self._finish(item.request)
+            outputs.append(make_output(item.request))
+        return outputs
+
+    def _finish(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        if self.drafter is not None:
+            self.drafter.free(request.request_id)
+
+    # ---- introspection -------------------------------------------------------------
+
+    def get_metrics(self) -> dict[str, Any]:
+        stats = self.metrics.as_dict()
+        stats.update(
+            num_preemptions=self.scheduler.num_preemptions,
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_blocks=self.block_manager.num_blocks,
+        )
+        return stats
+
+
+def _eos_token_ids(model_dir: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            eos = read_json(path).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _build_drafter(engine: LLMEngine) -> Any:
+    from specdec.drafters.factory import build_drafter
+
+    return build_drafter(engine)

@@ -1,0 +1,103 @@
+"""GGUF → HF-style directory (config.json, model.safetensors, tokenizer, chat template)."""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+# llama.cpp tensor names → HF names; {i} is the layer index.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write an HF directory for a llama-architecture GGUF; atomic (tmp dir, then rename)."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    meta = load_gguf_checkpoint(str(gguf_path))
+    config = meta["config"]
+    if config.get("model_type") != "llama":
+        raise ValueError(f"GGUF architecture {config.get('model_type')!r} is not supported (llama only)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+        save_file(_tensors(reader, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _write_config(tmp, config)
+        _write_tokenizer(gguf_path, tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tensors(reader, config: dict) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    from gguf.quants import dequantize
+
+    tensors = {}
+    for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor"):
+        name = _hf_name(t.name)
+        array = dequantize(t.data, t.tensor_type).astype(np.float32)
+        weight = torch.from_numpy(array.reshape([int(d) for d in reversed(t.shape)]).copy())
+        tensors[name] = _unpermute(name, weight, config)
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    return tensors
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    _, layer, kind, suffix = gguf_name.split(".")
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+
+
+def _unpermute(name: str, weight: torch.Tensor, config: dict) -> torch.Tensor:
+    """llama.cpp interleaves q/k rows for its RoPE; HF uses rotate-half: undo it."""
+    if name.endswith("q_proj.weight"):
+        return _reverse_permute(weight, config["num_attention_heads"])
+    if name.endswith("k_proj.weight"):
+        return _reverse_permute(weight, config["num_key_value_heads"])
+    return weight
+
+
+def _reverse_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:  # [rows, cols]
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _write_config(out: Path, config: dict) -> None:
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    config.update(architectures=["LlamaForCausalLM"], torch_dtype="float32")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+
+
+def _write_tokenizer(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out))

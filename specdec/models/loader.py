@@ -1,0 +1,227 @@
+"""Load a local HF safetensors checkpoint into our LlamaForCausalLM.
+
+Each of our parameters is filled from one or more HF tensors stacked along dim 0 (q/k/v
+into qkv_proj, gate/up into gate_up_proj); pieces are copied straight into slices of the
+destination, so no fused temporary is ever materialised. Tensors are read lazily through
+safetensors' memory map, one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from specdec.models.config import ModelConfig
+from specdec.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# Checkpoint tensors we know we do not need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One HF tensor filling `rows` rows (along dim 0) of one of our parameters."""
+
+    hf_name: str
+    rows: int
+    broadcast: bool = False  # a [D] vector repeated over `rows` heads (q/k norm)
+
+
+WeightPlan = dict[str, list[_Piece]]  # our parameter name -> pieces, in row order
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    fallback_weights: dict[str, Tensor] | None = None,
+    max_positions: int | None = None,
+) -> LlamaForCausalLM:
+    """Build the model described by model_dir/config.json and load its safetensors.
+
+    fallback_weights (HF names) supply tensors the checkpoint lacks, e.g. a draft model
+    stored without the embedding/LM head it shares with its target; a fallback tensor
+    already in the right shape, dtype and device is shared, not copied, so the draft adds
+    no memory for it. max_positions caps the RoPE table (default: the config's
+    max_position_embeddings).
+    Raises ValueError for unsupported architectures and for missing or misshapen weights.
+    """
+    config = ModelConfig.from_dir(model_dir)
+    model = LlamaForCausalLM(config, dtype=dtype, device=device, max_positions=max_positions)
+    plan = weight_plan(config)
+    with _open_checkpoint(Path(model_dir)) as tensors, torch.no_grad():
+        source = _Source(tensors, fallback_weights or {})
+        _check_complete(plan, source)
+        params = dict(model.named_parameters())
+        if set(plan) != set(params):  # a parameter left out would stay uninitialised
+            raise RuntimeError(f"weight plan/model mismatch: {set(plan) ^ set(params)}")
+        for name, pieces in plan.items():
+            shared = _shareable_fallback(params[name], pieces, source)
+            if shared is None:
+                _fill(params[name], pieces, source)
+            else:
+                _replace_parameter(model, name, shared)
+        _warn_unused(tensors, plan, config)
+    return model.eval()
+
+
+def weight_plan(config: ModelConfig) -> WeightPlan:
+    """Where every one of our parameters comes from in an HF checkpoint."""
+    plan: WeightPlan = {
+        "embed_tokens": [_Piece("model.embed_tokens.weight", config.vocab_size)],
+        "norm": [_Piece("model.norm.weight", config.hidden_size)],
+    }
+    if not config.tie_word_embeddings:
+        plan["lm_head"] = [_Piece("lm_head.weight", config.vocab_size)]
+    for i in range(config.num_layers):
+        plan.update(_attention_plan(config, i))
+        plan.update(_mlp_plan(config, i))
+    return plan
+
+
+def _attention_plan(config: ModelConfig, i: int) -> WeightPlan:
+    hf, ours = f"model.layers.{i}.self_attn.", f"layers.{i}."
+    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    plan = {
+        ours + "input_norm": [
+            _Piece(f"model.layers.{i}.input_layernorm.weight", config.hidden_size)
+        ],
+        ours + "qkv_proj": _qkv_pieces(hf, "weight", q_rows, kv_rows),
+        ours + "o_proj": [_Piece(hf + "o_proj.weight", config.hidden_size)],
+    }
+    if config.attention_bias:
+        plan[ours + "qkv_bias"] = _qkv_pieces(hf, "bias", q_rows, kv_rows)
+    if config.o_proj_bias:
+        plan[ours + "o_bias"] = [_Piece(hf + "o_proj.bias", config.hidden_size)]
+    if config.qk_norm:
+        plan[ours + "qk_norm"] = [
+            _Piece(hf + "q_norm.weight", config.num_heads, broadcast=True),
+            _Piece(hf + "k_norm.weight", config.num_kv_heads, broadcast=True),
+        ]
+    return plan
+
+
+def _qkv_pieces(prefix: str, kind: str, q_rows: int, kv_rows: int) -> list[_Piece]:
+    return [
+        _Piece(f"{prefix}q_proj.{kind}", q_rows),
+        _Piece(f"{prefix}k_proj.{kind}", kv_rows),
+        _Piece(f"{prefix}v_proj.{kind}", kv_rows),
+    ]
+
+
+def _mlp_plan(config: ModelConfig, i: int) -> WeightPlan:
+    hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}."
+    inter, hidden = config.intermediate_size, config.hidden_size
+    norm = f"model.layers.{i}.post_attention_layernorm.weight"
+    plan = {
+        ours + "post_attn_norm": [_Piece(norm, hidden)],
+        ours + "gate_up_proj": [
+            _Piece(hf + "gate_proj.weight", inter),
+            _Piece(hf + "up_proj.weight", inter),
+        ],
+        ours + "down_proj": [_Piece(hf + "down_proj.weight", hidden)],
+    }
+    if config.mlp_bias:
+        plan[ours + "gate_up_bias"] = [
+            _Piece(hf + "gate_proj.bias", inter),
+            _Piece(hf + "up_proj.bias", inter),
+        ]
+        plan[ours + "down_bias"] = [_Piece(hf + "down_proj.bias", hidden)]
+    return plan
+
+
+class _Source:
+    """Checkpoint tensors first, fallback tensors for names the checkpoint lacks."""
+
+    def __init__(self, tensors: dict[str, Any], fallback: dict[str, Tensor]):
+        self.tensors, self.fallback = tensors, fallback  # tensors: name -> safe_open handle
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors or name in self.fallback
+
+    def get(self, name: str) -> Tensor:
+        handle = self.tensors.get(name)
+        return self.fallback[name] if handle is None else handle.get_tensor(name)
+
+
+@contextmanager
+def _open_checkpoint(model_dir: Path) -> Iterator[dict[str, Any]]:
+    """Yield tensor name -> open safetensors handle, over every shard."""
+    with ExitStack() as stack:
+        index: dict[str, Any] = {}
+        for path in _shard_files(model_dir):
+            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            index.update(dict.fromkeys(handle.keys(), handle))
+        yield index
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    # Prefer the index: some repos also ship non-HF files (e.g. consolidated.safetensors).
+    index_file = model_dir / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def _check_complete(plan: WeightPlan, source: _Source) -> None:
+    missing = [p.hf_name for pieces in plan.values() for p in pieces if p.hf_name not in source]
+    if missing:
+        shown = ", ".join(missing[:20]) + (
+            f" (+{len(missing) - 20} more)" if len(missing) > 20 else ""
+        )
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+
+
+def _shareable_fallback(param: Tensor, pieces: list[_Piece], source: _Source) -> Tensor | None:
+    """The fallback tensor that can stand in for param as is, if there is one."""
+    if len(pieces) != 1 or pieces[0].hf_name in source.tensors:
+        return None
+    tensor = source.fallback[pieces[0].hf_name]
+    same = (tensor.shape, tensor.dtype, tensor.device) == (param.shape, param.dtype, param.device)
+    return tensor if same else None
+
+
+def _replace_parameter(model: LlamaForCausalLM, name: str, tensor: Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    setattr(module, attr, nn.Parameter(tensor, requires_grad=False))  # shares storage
+
+
+def _fill(param: Tensor, pieces: list[_Piece], source: _Source) -> None:
+    """Copy each piece into its row slice of param (converting dtype/device)."""
+    start = 0
+    for piece in pieces:
+        dest = param[start : start + piece.rows]
+        tensor = source.get(piece.hf_name)
+        expected = dest.shape[1:] if piece.broadcast else dest.shape
+        if tensor.shape != expected:
+            got, want = tuple(tensor.shape), tuple(expected)
+            raise ValueError(f"weight {piece.hf_name} has shape {got}, expected {want}")
+        dest.copy_(tensor)  # broadcasts a [D] norm vector over its heads
+        start += piece.rows
+
+
+def _warn_unused(tensors: dict[str, Any], plan: WeightPlan, config: ModelConfig) -> None:
+    used = {p.hf_name for pieces in plan.values() for p in pieces}
+    if config.tie_word_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints store a copy
+    unused = [n for n in tensors if n not in used and not n.endswith(_IGNORED_SUFFIXES)]
+    if unused:
+        logger.warning("ignoring %d checkpoint tensor(s): %s", len(unused), ", ".join(unused[:10]))

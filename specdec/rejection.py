@@ -1,0 +1,208 @@
+"""Speculative-decoding verification: the rejection sampler (vLLM-v1 style).
+
+For each request the target model scored one row per draft position plus one bonus
+row. Draft token x at a position is accepted with probability
+min(1, target_probs[x] / draft_probs[x]); at the first rejection a recovered token is
+sampled from norm(max(0, target_probs - draft_probs)); if every draft is accepted a
+bonus token is sampled from the target at the bonus row. The emitted tokens are then
+distributed exactly as if sampled from the target alone.
+
+Shapes: N requests, K = max draft length in the batch, V vocab,
+T = sum(num_draft_i + 1) target rows, D = sum(num_draft_i) draft rows.
+Metrics (accepted / drafted) are counted by the caller from the returned lengths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
+
+# Below this mass the residual is float32 rounding noise, and a rejection there happens
+# with probability equal to that mass anyway, so falling back to the target is harmless.
+RESIDUAL_EPS = 1e-6
+
+
+@dataclass
+class DraftLayout:
+    """Where each request's draft positions live in the flat target / draft rows."""
+
+    num_draft: Tensor  # [N] int64
+    tokens: Tensor  # [N, K] int64 draft token ids, 0 past num_draft
+    valid: Tensor  # [N, K] bool, position j < num_draft
+    target_rows: Tensor  # [N, K + 1] int64 flat target row; positions past num_draft -> bonus row
+    draft_rows: Tensor  # [N, K] int64 flat draft row; past num_draft: garbage but in range
+
+    @classmethod
+    def build(cls, draft_token_ids: list[list[int]], device: torch.device) -> DraftLayout:
+        counts = [len(d) for d in draft_token_ids]
+        k_max = max(counts, default=0)
+        num_draft = torch.tensor(counts, dtype=torch.int64, device=device)  # [N]
+        pos = torch.arange(k_max + 1, device=device).unsqueeze(0)  # [1, K + 1]
+        valid = pos[:, :k_max] < num_draft.unsqueeze(1)  # [N, K]
+        tokens = torch.zeros(len(counts), k_max, dtype=torch.int64, device=device)  # [N, K]
+        # Row-major boolean indexing lays the flat list out request by request.
+        tokens[valid] = torch.tensor([t for d in draft_token_ids for t in d],
+                                     dtype=torch.int64, device=device)  # [D]
+        draft_start = torch.cumsum(num_draft, 0) - num_draft  # [N], exclusive cumsum
+        target_start = draft_start + torch.arange(len(counts), device=device)  # [N]: +1 bonus row each
+        nd = num_draft.unsqueeze(1)  # [N, 1]
+        return cls(
+            num_draft=num_draft,
+            tokens=tokens,
+            valid=valid,
+            target_rows=target_start.unsqueeze(1) + torch.minimum(pos, nd),
+            # Clamped so padding never indexes past the last draft row (values are masked).
+            draft_rows=(draft_start.unsqueeze(1) + pos[:, :k_max]).clamp(max=max(sum(counts) - 1, 0)),
+        )
+
+
+def rejection_sample(
+    target_logits: Tensor,  # [T, V]: per request, one row per draft position then the bonus row
+    draft_token_ids: list[list[int]],  # [N] lists of num_draft_i tokens; may be empty
+    draft_probs: Tensor | None,  # [D, V] draft distribution after sampling transforms; None = one-hot
+    st: SamplingTensors,  # one row per request
+) -> list[list[int]]:  # per request: accepted drafts, then one recovered or bonus token
+    _check_shapes(target_logits, draft_token_ids, draft_probs, st)
+    layout = DraftLayout.build(draft_token_ids, target_logits.device)
+    greedy = st.greedy.tolist()
+    num_accepted = torch.empty(len(greedy), dtype=torch.int64, device=target_logits.device)  # [N]
+    final_token = torch.empty_like(num_accepted)  # [N]
+    if any(greedy):
+        # One vectorised pass over every row beats gathering the greedy ones first;
+        # stochastic rows are overwritten below.
+        num_accepted[:], final_token[:] = _greedy(target_logits, layout)
+    stochastic = [i for i, g in enumerate(greedy) if not g]
+    if stochastic:
+        rows = torch.tensor(stochastic, dtype=torch.int64, device=target_logits.device)  # [S]
+        num_accepted[rows], final_token[rows] = _stochastic(
+            target_logits, draft_probs, layout, st, stochastic
+        )
+    return [
+        drafts[:n] + [tok]
+        for drafts, n, tok in zip(draft_token_ids, num_accepted.tolist(), final_token.tolist())
+    ]
+
+
+def _greedy(target_logits: Tensor, layout: DraftLayout) -> tuple[Tensor, Tensor]:
+    """Accept while draft == target argmax; then emit the target argmax there."""
+    target_argmax = target_logits.argmax(dim=-1)[layout.target_rows]  # [N, K + 1]
+    k_max = layout.tokens.shape[1]
+    match = (layout.tokens == target_argmax[:, :k_max]) & layout.valid  # [N, K]
+    num_accepted = _leading_true(match)  # [N]
+    # Position num_accepted is the first mismatch (recovered) or, past the drafts, the bonus row.
+    final = target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [N]
+    return num_accepted, final
+
+
+def _stochastic(
+    target_logits: Tensor,  # [T, V]
+    draft_probs: Tensor | None,  # [D, V] or None
+    layout: DraftLayout,
+    st: SamplingTensors,  # [N] rows
+    requests: list[int],  # S stochastic request indices
+) -> tuple[Tensor, Tensor]:  # num_accepted [S], final token [S]
+    sub = st.select(requests)
+    idx = torch.tensor(requests, dtype=torch.int64, device=target_logits.device)  # [S]
+    target_rows = layout.target_rows[idx]  # [S, K + 1]
+    tokens = layout.tokens[idx]  # [S, K]
+    num_draft = layout.num_draft[idx]  # [S]
+    target_probs = _target_probs(target_logits, target_rows, num_draft, sub)  # [T, V], S rows filled
+    k_max = tokens.shape[1]
+
+    target_at_draft = target_probs[target_rows[:, :k_max], tokens]  # [S, K]
+    if draft_probs is None:
+        draft_at_draft = torch.ones_like(target_at_draft)  # [S, K], one-hot drafts
+    else:
+        draft_at_draft = draft_probs[layout.draft_rows[idx], tokens].float()  # [S, K]
+    uniform = _uniforms(sub.generators, num_draft.tolist(), k_max, target_logits.device)  # [S, K]
+    # u < target/draft, written without a division; a zero draft prob means a bogus draft: reject.
+    accept = layout.valid[idx] & (draft_at_draft > 0) & (uniform * draft_at_draft < target_at_draft)
+    num_accepted = _leading_true(accept)  # [S]
+
+    stop_row = target_rows.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [S]
+    rejected = num_accepted < num_draft  # [S]
+    draft_at_stop = _draft_at_stop(draft_probs, layout, idx, tokens, num_accepted, rejected,
+                                   target_probs.shape[1])  # [S, V], zero rows at the bonus
+    final_probs = residual_probs(target_probs[stop_row], draft_at_stop)  # [S, V]
+    return num_accepted, sample_probs(final_probs, sub.generators)
+
+
+def _target_probs(
+    target_logits: Tensor,  # [T, V]
+    target_rows: Tensor,  # [S, K + 1]
+    num_draft: Tensor,  # [S]
+    sub: SamplingTensors,  # [S]
+) -> Tensor:  # [T, V]; only the S requests' rows are written
+    counts = (num_draft + 1).tolist()
+    pos = torch.arange(target_rows.shape[1], device=target_rows.device)  # [K + 1]
+    rows = target_rows[pos <= num_draft.unsqueeze(1)]  # [sum(counts)], request by request
+    out = torch.empty(target_logits.shape, dtype=torch.float32, device=target_logits.device)
+    out[rows] = logits_to_probs(target_logits[rows], sub.repeat(counts))
+    return out
+
+
+def _draft_at_stop(
+    draft_probs: Tensor | None,  # [D, V] or None
+    layout: DraftLayout,
+    idx: Tensor,  # [S]
+    tokens: Tensor,  # [S, K]
+    num_accepted: Tensor,  # [S]
+    rejected: Tensor,  # [S] bool
+    vocab: int,
+) -> Tensor:  # [S, V]: the draft distribution at the first rejection, zeros if none
+    out = torch.zeros(idx.shape[0], vocab, dtype=torch.float32, device=idx.device)
+    if tokens.shape[1] == 0:
+        return out  # no drafts anywhere, so only bonus tokens
+    pos = num_accepted.clamp(max=tokens.shape[1] - 1).unsqueeze(1)  # [S, 1]
+    if draft_probs is None:
+        out.scatter_(1, tokens.gather(1, pos), 1.0)  # one-hot at the rejected draft token
+    else:
+        out = draft_probs[layout.draft_rows[idx].gather(1, pos).squeeze(1)].float()
+    return out * rejected.unsqueeze(1)
+
+
+def residual_probs(target_probs: Tensor, draft_probs: Tensor) -> Tensor:
+    """norm(max(0, target_probs - draft_probs)) per row, [M, V] -> [M, V].
+
+    Rows whose residual has (almost) no mass fall back to target_probs. A zero draft row
+    (bonus position) gives target_probs back.
+    """
+    residual = (target_probs - draft_probs).clamp(min=0.0)  # [M, V]
+    mass = residual.sum(dim=-1, keepdim=True)  # [M, 1]
+    ok = mass > RESIDUAL_EPS  # [M, 1]
+    return torch.where(ok, residual / torch.where(ok, mass, 1.0), target_probs)
+
+
+def _uniforms(
+    generators: list[torch.Generator | None], num_draft: list[int], k_max: int,
+    device: torch.device,
+) -> Tensor:  # [S, K] uniform [0, 1)
+    uniform = torch.rand(len(generators), k_max, device=device)  # unseeded rows, in one call
+    for row, (gen, k) in enumerate(zip(generators, num_draft)):
+        if gen is not None and k > 0:
+            # Exactly num_draft draws, so a seeded request's stream ignores batch padding.
+            uniform[row, :k] = torch.rand(k, generator=gen, device=gen.device).to(device)
+    return uniform
+
+
+def _leading_true(mask: Tensor) -> Tensor:
+    """[M, K] bool -> [M] int64 count of leading True values (index of the first False)."""
+    return mask.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def _check_shapes(
+    target_logits: Tensor, draft_token_ids: list[list[int]], draft_probs: Tensor | None,
+    st: SamplingTensors,
+) -> None:
+    num_draft = sum(len(d) for d in draft_token_ids)
+    if target_logits.shape[0] != num_draft + len(draft_token_ids):
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows, expected "
+                         f"{num_draft + len(draft_token_ids)} (drafts + one bonus row each)")
+    if draft_probs is not None and tuple(draft_probs.shape) != (num_draft, target_logits.shape[1]):
+        raise ValueError(f"draft_probs shape {tuple(draft_probs.shape)}, expected "
+                         f"({num_draft}, {target_logits.shape[1]})")
+    if len(st) != len(draft_token_ids):
+        raise ValueError(f"{len(st)} sampling rows for {len(draft_token_ids)} requests")

@@ -1,0 +1,179 @@
+"""Batched token sampling: temperature, top-k, top-p, per-request seeded generators.
+
+Every function works on a batch of rows, one row per request (or per position of a
+request during verification, see `SamplingTensors.repeat`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specdec.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingTensors:
+    """The sampling settings of a batch as tensors, built once per step."""
+
+    temperature: Tensor  # [N] float32; 0 on greedy rows
+    top_k: Tensor  # [N] int64; 0 = off
+    top_p: Tensor  # [N] float32; 1 = off
+    greedy: Tensor  # [N] bool
+    generators: list[torch.Generator | None]  # [N] per-request seeded generator, or None (global RNG)
+    all_greedy: bool
+    # Computed once here so the hot path never has to ask the tensors (a device sync on GPU).
+    any_top_k: bool = field(init=False)
+    any_top_p: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        stochastic = ~self.greedy
+        self.any_top_k = bool(((self.top_k > 0) & stochastic).any())
+        self.any_top_p = bool(((self.top_p < 1.0) & stochastic).any())
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        device: torch.device | str = "cpu",
+    ) -> SamplingTensors:
+        if len(generators) != len(params):
+            raise ValueError(f"{len(params)} params but {len(generators)} generators")
+        greedy = [p.greedy for p in params]
+        return cls(
+            temperature=torch.tensor(
+                [0.0 if g else p.temperature for p, g in zip(params, greedy)],
+                dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            generators=list(generators),
+            all_greedy=all(greedy),
+        )
+
+    def __len__(self) -> int:
+        return len(self.generators)
+
+    def repeat(self, counts: list[int]) -> SamplingTensors:
+        """Row i repeated counts[i] times: one row per verified position."""
+        reps = torch.tensor(counts, dtype=torch.int64, device=self.temperature.device)
+        gens = [g for g, c in zip(self.generators, counts) for _ in range(c)]
+        return self._rows(lambda t: t.repeat_interleave(reps, dim=0), gens)
+
+    def select(self, rows: list[int]) -> SamplingTensors:
+        """The sub-batch made of the given rows, in that order."""
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.temperature.device)
+        return self._rows(lambda t: t[idx], [self.generators[r] for r in rows])
+
+    def _rows(
+        self, take: Callable[[Tensor], Tensor], gens: list[torch.Generator | None]
+    ) -> SamplingTensors:
+        greedy = take(self.greedy)
+        return SamplingTensors(
+            temperature=take(self.temperature), top_k=take(self.top_k),
+            top_p=take(self.top_p), greedy=greedy, generators=gens,
+            all_greedy=bool(greedy.all()),
+        )
+
+
+def logits_to_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """[N, V] logits -> [N, V] float32 probabilities after temperature, top-k, top-p.
+
+    Greedy rows come out one-hot at their argmax, so a verifier can treat them like any
+    other distribution.
+    """
+    logits = logits.float()  # [N, V]
+    if st.all_greedy:
+        return _one_hot_argmax(logits)
+    # Greedy rows get temperature 1 here (no division by 0) and are overwritten below.
+    temp = torch.where(st.greedy, torch.ones_like(st.temperature), st.temperature)  # [N]
+    logits = logits / temp.unsqueeze(1)  # [N, V]
+    if st.any_top_p:
+        logits = _mask_top_k_top_p(logits, st.top_k, st.top_p)
+    elif st.any_top_k:
+        logits = _mask_top_k(logits, st.top_k)
+    probs = torch.softmax(logits, dim=-1)  # [N, V]
+    if bool(st.greedy.any()):
+        probs = torch.where(st.greedy.unsqueeze(1), _one_hot_argmax(logits), probs)
+    return probs
+
+
+def _one_hot_argmax(logits: Tensor) -> Tensor:
+    probs = torch.zeros_like(logits, dtype=torch.float32)  # [N, V]
+    return probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def _mask_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
+    """Top-k without a full sort: threshold at the k-th largest logit (ties are kept)."""
+    vocab = logits.shape[1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [N]; off = keep all
+    top_vals = logits.topk(int(k.max()), dim=-1).values  # [N, max_k], descending
+    kth = top_vals.gather(1, (k - 1).unsqueeze(1))  # [N, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _mask_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Top-k then top-p in one descending sort of the vocab."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V] each
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)  # [N, 1]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [N, V], top-k renormalised
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V], exclusive cumsum
+    # Smallest prefix with mass >= top_p: keep a token while the mass before it is short.
+    # Rank 0 is always kept; top_p == 1 keeps everything despite cumsum rounding.
+    drop = (mass_before >= top_p.unsqueeze(1)) & (rank > 0) & (top_p.unsqueeze(1) < 1.0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """[N, V] logits -> [N] int64 sampled tokens (argmax on greedy rows)."""
+    if st.all_greedy:
+        return logits.argmax(dim=-1)
+    probs = logits_to_probs(logits, st)  # [N, V], greedy rows one-hot
+    return sample_probs(probs, st.generators)
+
+
+def sample_probs(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    """[N, V] probabilities -> [N] int64 by the exponential race argmax(probs / Exp(1)).
+
+    Equivalent to a categorical draw, but one vectorised call for all unseeded rows;
+    each seeded row draws its own V exponentials from its generator, so its result
+    depends only on its seed and history, never on the rest of the batch.
+    """
+    race = torch.empty_like(probs, dtype=torch.float32)  # [N, V]
+    race.exponential_()  # unseeded rows; seeded rows are overwritten below
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            race[row] = _exponential(probs.shape[1], gen).to(probs.device)
+    # Exp(1) can be exactly 0; clamping avoids 0/0 and inf (a bias of ~1e-38).
+    race.clamp_(min=torch.finfo(torch.float32).tiny)
+    return (probs / race).argmax(dim=-1)
+
+
+def _exponential(n: int, gen: torch.Generator) -> Tensor:
+    return torch.empty(n, device=gen.device).exponential_(generator=gen)  # [n]
+
+
+def top_logprobs(logits: Tensor, token_ids: Tensor, num_top: int) -> list[dict[int, float]]:
+    """Per row {sampled token: logprob} plus the num_top most likely tokens.
+
+    Logprobs come from the raw logits (before temperature / top-k / top-p), as in vLLM.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    token_ids = token_ids.to(logprobs.device).long()  # [N]
+    sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [N]
+    top_vals, top_ids = logprobs.topk(num_top, dim=-1)  # [N, num_top] each
+    out: list[dict[int, float]] = []
+    for tok, lp, ids, vals in zip(
+        token_ids.tolist(), sampled.tolist(), top_ids.tolist(), top_vals.tolist()
+    ):
+        entry = {tok: lp}
+        entry.update(zip(ids, vals))
+        out.append(entry)
+    return out

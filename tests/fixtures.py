@@ -1,0 +1,57 @@
+"""Tiny random-weight checkpoints (model + byte-level BPE tokenizer) made on the spot."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Speculative decoding drafts tokens and the target model verifies them in one pass.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Summarise the following text in one sentence, please.",
+    "héllo wörld — ünïcode ✓ 日本語 テキスト",
+]
+
+
+def make_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(path))
+
+
+def make_checkpoint(path: Path, model_type: str = "llama", seed: int = 0, num_layers: int = 2,
+                    vocab_size: int = 384, **overrides: object) -> Path:
+    """A random model whose logits are peaked enough for stable greedy argmaxes."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(path, vocab_size)
+    cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
+    config = getattr(transformers, cls[model_type])(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        tie_word_embeddings=True, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(path))
+    return path

@@ -1,0 +1,224 @@
+"""Tests for specdec.sampler: transforms, sampling, seeds, logprobs."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import Tensor
+
+import specdec.sampler as sampler
+from specdec.sampler import SamplingTensors, logits_to_probs, sample, top_logprobs
+from specdec.sampling_params import SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """The tensors here are tiny: intra-op threads only add overhead, badly on a busy box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_st(params: list[SamplingParams], seeded: bool = False) -> SamplingTensors:
+    gens = [torch.Generator().manual_seed(p.seed) if seeded and p.seed is not None else None
+            for p in params]
+    return SamplingTensors.from_params(params, gens)
+
+
+def chi2_pvalue(counts: Tensor, probs: Tensor) -> float:
+    """Pearson chi-square goodness of fit; 0 if a zero-probability cell was observed."""
+    counts, probs = counts.double(), probs.double()
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    live = probs > 0
+    expected = probs[live] * counts.sum()
+    stat = ((counts[live] - expected) ** 2 / expected).sum()
+    df = torch.tensor(int(live.sum()) - 1, dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+# ---------------------------------------------------------------- SamplingTensors
+
+
+def test_from_params_tensors() -> None:
+    st = make_st([SamplingParams(temperature=0.0, top_k=-1),
+                  SamplingParams(temperature=0.8, top_k=5, top_p=0.9)])
+    assert st.temperature.dtype == torch.float32 and st.temperature.tolist() == pytest.approx([0.0, 0.8])
+    assert st.top_k.dtype == torch.int64 and st.top_k.tolist() == [0, 5]
+    assert st.top_p.dtype == torch.float32 and st.top_p.tolist() == pytest.approx([1.0, 0.9])
+    assert st.greedy.tolist() == [True, False]
+    assert not st.all_greedy and st.any_top_k and st.any_top_p
+    assert make_st([SamplingParams(temperature=0.0)] * 2).all_greedy
+
+
+def test_from_params_rejects_mismatched_generators() -> None:
+    with pytest.raises(ValueError):
+        SamplingTensors.from_params([SamplingParams()], [])
+
+
+def test_repeat_and_select() -> None:
+    g = torch.Generator().manual_seed(0)
+    st = SamplingTensors.from_params(
+        [SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, top_k=3)], [None, g])
+    rep = st.repeat([2, 3])
+    assert rep.temperature.tolist() == pytest.approx([0.0, 0.0, 0.5, 0.5, 0.5])
+    assert rep.top_k.tolist() == [0, 0, 3, 3, 3]
+    assert rep.generators == [None, None, g, g, g]
+    assert not rep.all_greedy
+    sel = st.select([0])
+    assert sel.all_greedy and sel.generators == [None] and not sel.any_top_k
+
+
+# ---------------------------------------------------------------- logits_to_probs
+
+
+def test_greedy_rows_are_one_hot() -> None:
+    logits = torch.tensor([[0.1, 3.0, -1.0], [2.0, 0.0, 1.0]])
+    st = make_st([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)])
+    probs = logits_to_probs(logits, st)
+    assert probs[0].tolist() == [0.0, 1.0, 0.0]
+    torch.testing.assert_close(probs[1], torch.softmax(logits[1], -1))
+    assert logits_to_probs(logits, make_st([SamplingParams(temperature=0.0)] * 2)).tolist() == [
+        [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_temperature() -> None:
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))
+    st = make_st([SamplingParams(temperature=t) for t in (0.5, 1.0, 2.0)])
+    expected = torch.softmax(logits / torch.tensor([[0.5], [1.0], [2.0]]), -1)
+    torch.testing.assert_close(logits_to_probs(logits, st), expected)
+
+
+def test_top_k_mask() -> None:
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0.0]] * 2)
+    st = make_st([SamplingParams(top_k=2), SamplingParams(top_k=0)])
+    probs = logits_to_probs(logits, st)
+    assert (probs[0] > 0).tolist() == [False, True, True, False, False]
+    torch.testing.assert_close(probs[0, 1:3], torch.softmax(torch.tensor([4.0, 3.0]), -1))
+    torch.testing.assert_close(probs[1], torch.softmax(logits[1], -1))  # off: untouched
+
+
+def test_top_k_larger_than_vocab_keeps_all() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    torch.testing.assert_close(logits_to_probs(logits, make_st([SamplingParams(top_k=10)])),
+                               torch.softmax(logits, -1))
+
+
+def test_top_p_smallest_set_reaching_mass() -> None:
+    # probs 0.5, 0.3, 0.15, 0.05 (deliberately not in vocab order)
+    logits = torch.tensor([0.15, 0.5, 0.05, 0.3]).log().repeat(4, 1)
+    st = make_st([SamplingParams(top_p=p) for p in (0.75, 0.85, 0.01, 1.0)])
+    probs = logits_to_probs(logits, st)
+    torch.testing.assert_close(probs[0], torch.tensor([0.0, 0.5, 0.0, 0.3]) / 0.8)
+    torch.testing.assert_close(probs[1], torch.tensor([0.15, 0.5, 0.0, 0.3]) / 0.95)
+    assert probs[2].tolist() == [0.0, 1.0, 0.0, 0.0]  # the top token is always kept
+    torch.testing.assert_close(probs[3], torch.tensor([0.15, 0.5, 0.05, 0.3]))
+
+
+def test_top_k_then_top_p_uses_renormalised_mass() -> None:
+    # top-k 3 leaves 0.5, 0.3, 0.15 -> renormalised 0.526, 0.316, 0.158; top-p 0.8 then needs
+    # the first two (0.842), while on the un-renormalised mass it would need three.
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    probs = logits_to_probs(logits, make_st([SamplingParams(top_k=3, top_p=0.8)]))
+    torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_top_k_paths_agree() -> None:
+    """The sort-free top-k path equals the sort path when top-p is off."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
+    top_k = torch.tensor([0, 1, 5, 17, 50, 60])
+    fast = sampler._mask_top_k(logits, top_k)
+    slow = sampler._mask_top_k_top_p(logits, top_k, torch.ones(6))
+    assert torch.equal(fast, slow)
+
+
+def test_no_sort_when_top_p_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: object, **kwargs: object) -> Tensor:
+        raise AssertionError("full sort used")
+    monkeypatch.setattr(sampler, "_mask_top_k_top_p", boom)
+    logits = torch.randn(2, 20)
+    logits_to_probs(logits, make_st([SamplingParams(), SamplingParams(top_k=4)]))
+    # A greedy row with top_p < 1 does not count either: greedy ignores top-p.
+    logits_to_probs(logits, make_st([SamplingParams(temperature=0.0, top_p=0.5), SamplingParams()]))
+
+
+def test_mixed_batch_rows_sum_to_one() -> None:
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3)) * 3
+    st = make_st([SamplingParams(temperature=0.0), SamplingParams(top_p=0.3),
+                  SamplingParams(temperature=0.3, top_k=7), SamplingParams(temperature=1.7)])
+    probs = logits_to_probs(logits, st)
+    assert probs.dtype == torch.float32
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4))
+    assert int((probs[2] > 0).sum()) == 7
+
+
+# ---------------------------------------------------------------- sample
+
+
+def test_all_greedy_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sampler, "logits_to_probs", None)  # must not be reached
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 0.0, 1.0]])
+    out = sample(logits, make_st([SamplingParams(temperature=0.0)] * 2))
+    assert out.dtype == torch.int64 and out.tolist() == [1, 0]
+
+
+def test_mixed_batch_greedy_rows_argmax() -> None:
+    logits = torch.randn(8, 40, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0) for i in range(8)]
+    out = sample(logits, make_st(params))
+    assert out[::2].tolist() == logits[::2].argmax(-1).tolist()
+
+
+def test_sampling_matches_distribution() -> None:
+    torch.manual_seed(0)
+    probs_row = torch.tensor([0.05, 0.4, 0.0, 0.25, 0.3])
+    n = 40_000
+    logits = probs_row.log().repeat(n, 1)
+    out = sample(logits, make_st([SamplingParams()] * n))
+    assert chi2_pvalue(torch.bincount(out, minlength=5), probs_row) > 1e-3
+    # Control: the check does reject a mildly wrong distribution.
+    wrong = torch.tensor([0.06, 0.39, 0.0, 0.25, 0.3])
+    assert chi2_pvalue(torch.bincount(out, minlength=5), wrong) < 1e-6
+
+
+def test_top_k_excluded_tokens_never_sampled() -> None:
+    torch.manual_seed(0)
+    logits = torch.tensor([[1.0, 1.1, 0.9, 1.05, 0.0]]).repeat(5000, 1)
+    out = sample(logits, make_st([SamplingParams(top_k=2)] * 5000))
+    assert set(out.tolist()) == {1, 3}
+
+
+def _draw(seed: int, steps: int, batch_extra: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    params = [SamplingParams(seed=seed)] + [SamplingParams()] * batch_extra
+    st = SamplingTensors.from_params(params, [gen] + [None] * batch_extra)
+    mine = torch.randn(steps, 1, 100, generator=torch.Generator().manual_seed(9))
+    others = torch.randn(steps, batch_extra, 100) * 3  # global RNG: differs between calls
+    logits = torch.cat([mine, others], dim=1)  # [steps, 1 + batch_extra, V]
+    return [int(sample(logits[s], st)[0]) for s in range(steps)]
+
+
+def test_seed_reproducible_and_batch_independent() -> None:
+    torch.manual_seed(1)
+    alone = _draw(seed=123, steps=20, batch_extra=0)
+    torch.manual_seed(2)  # the global RNG must not matter
+    assert _draw(seed=123, steps=20, batch_extra=5) == alone
+    assert _draw(seed=124, steps=20, batch_extra=0) != alone
+
+
+# ---------------------------------------------------------------- top_logprobs
+
+
+def test_top_logprobs() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
+    ref = torch.log_softmax(logits, -1)
+    out = top_logprobs(logits, torch.tensor([3, 2]), num_top=2)
+    assert set(out[0]) == {3, 1, 2}  # sampled token plus the top two
+    assert set(out[1]) == {2, 3}  # sampled token is itself in the top two
+    for row, entry in enumerate(out):
+        for tok, lp in entry.items():
+            assert lp == pytest.approx(float(ref[row, tok]))
+    assert top_logprobs(logits, torch.tensor([0, 1]), num_top=0) == [
+        {0: pytest.approx(float(ref[0, 0]))}, {1: pytest.approx(float(ref[1, 1]))}]
