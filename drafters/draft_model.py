@@ -1,0 +1,156 @@
+"""A small draft LM with its own paged KV cache, proposing k tokens autoregressively.
+
+Each request has a shadow `Request` in the drafter: its token list (committed tokens,
+then the drafts it proposed) and its own block table. Before proposing, the shadow is
+reconciled with the committed tokens: drafts the target rejected are rolled back by
+truncating `num_computed_tokens` and the block table, exactly as the target does.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec.block_manager import BlockManager
+from specdec.drafters.base import Draft, Drafter, DraftRequest
+from specdec.model_registry import resolve_model
+from specdec.model_runner import KVCache, ModelRunner
+from specdec.models import LlamaForCausalLM, load_model
+from specdec.request import Request
+from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
+from specdec.scheduler import ScheduledRequest
+
+if TYPE_CHECKING:
+    from specdec.engine import LLMEngine
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, model: LlamaForCausalLM, runner: ModelRunner, block_manager: BlockManager) -> None:
+        self.model = model
+        self.runner = runner
+        self.block_manager = block_manager
+        self.shadows: dict[str, Request] = {}
+        self.num_committed: dict[str, int] = {}
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> DraftModelDrafter:
+        spec = engine.config.speculative_config
+        assert spec is not None and spec.model
+        draft_dir = resolve_draft_dir(spec.model)
+        model = load_model(draft_dir, dtype=engine.config.dtype, device=engine.device,
+                           fallback_weights=engine.model.hf_embedding_weights(),
+                           max_positions=engine.max_model_len + 32)
+        check_compatible(engine, model, draft_dir)
+        mc = model.config
+        # As many blocks as the target, plus lookahead room for every running request.
+        num_blocks = engine.block_manager.num_blocks + engine.config.max_num_seqs
+        kv = KVCache(mc.num_layers, num_blocks, engine.config.block_size, mc.num_kv_heads, mc.head_dim,
+                     engine.config.dtype, engine.device)
+        config = replace(engine.config, enable_prefix_caching=False)
+        block_manager = BlockManager(num_blocks, engine.config.block_size, False)
+        return cls(model, ModelRunner(model, config, kv, engine.device), block_manager)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        shadows = [self._sync(r) for r in requests]
+        st = SamplingTensors.from_params([r.sampling_params for r in requests],
+                                         [s.generator for s in shadows])
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = self._make_room(requests, shadows)
+        for _ in range(max(r.num_tokens for r in requests)):
+            active = [i for i in active if len(tokens[i]) < requests[i].num_tokens]
+            if not active:
+                break
+            self._draft_step([shadows[i] for i in active], st.select(active),
+                             [tokens[i] for i in active], [probs[i] for i in active])
+        return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    def _draft_step(self, shadows: list[Request], st: SamplingTensors, tokens: list[list[int]],
+                    probs: list[list[torch.Tensor]]) -> None:
+        """One batched draft forward: catch up on new tokens, sample the next draft token."""
+        batch = [ScheduledRequest(s, s.num_tokens - s.num_computed_tokens) for s in shadows]
+        for item in batch:
+            self.block_manager.allocate(item.request, item.num_new_tokens)
+        logits = self.runner.execute(batch).logits  # [B, V]
+        if st.all_greedy:  # greedy verification never reads draft probabilities
+            sampled, step_probs = logits.argmax(-1), None
+        else:
+            step_probs = logits_to_probs(logits, st)  # [B, V]
+            sampled = sample_probs(step_probs, st.generators)
+        for i, (shadow, item) in enumerate(zip(shadows, batch)):
+            shadow.num_computed_tokens += item.num_new_tokens
+            token = int(sampled[i])
+            shadow.all_token_ids.append(token)
+            tokens[i].append(token)
+            if step_probs is not None:
+                probs[i].append(step_probs[i])
+
+    def _make_room(self, requests: list[DraftRequest], shadows: list[Request]) -> list[int]:
+        """Indices of requests whose drafts fit in the draft KV pool this step.
+
+        Shadows of requests not in this batch (preempted or waiting in the target) are
+        evicted first; they are rebuilt from their tokens when they come back.
+        """
+        needed = [self.block_manager.blocks_needed(s.num_tokens + r.num_tokens) - len(s.block_table)
+                  for r, s in zip(requests, shadows)]
+        if sum(needed) > self.block_manager.num_free_blocks:
+            in_batch = {r.request_id for r in requests}
+            for request_id in [rid for rid in self.shadows if rid not in in_batch]:
+                self.free(request_id)
+        active, free = [], self.block_manager.num_free_blocks
+        for i, n in enumerate(needed):
+            if n <= free:
+                active.append(i)
+                free -= n
+        return active
+
+    def _sync(self, request: DraftRequest) -> Request:
+        """Bring the shadow in line with the committed tokens; roll back rejected drafts."""
+        shadow = self.shadows.get(request.request_id)
+        if shadow is None:
+            shadow = Request(request.request_id, [], request.sampling_params, None, 0, set())
+            self.shadows[request.request_id] = shadow
+        committed = self.num_committed.get(request.request_id, 0)
+        keep = committed + _common_prefix(shadow.all_token_ids[committed:], request.token_ids[committed:])
+        shadow.num_computed_tokens = min(shadow.num_computed_tokens, keep)
+        shadow.all_token_ids = list(request.token_ids)
+        self.block_manager.truncate(shadow, shadow.num_computed_tokens)
+        self.num_committed[request.request_id] = len(request.token_ids)
+        return shadow
+
+    def free(self, request_id: str) -> None:
+        shadow = self.shadows.pop(request_id, None)
+        self.num_committed.pop(request_id, None)
+        if shadow is not None:
+            self.block_manager.free(shadow)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def resolve_draft_dir(name: str) -> Path:
+    """A draft dir, a known model name, or one of the drafts shipped in drafters/weights."""
+    shipped = Path(__file__).parent / "weights" / name
+    if (shipped / "config.json").is_file():
+        return shipped
+    return resolve_model(name)
+
+
+def check_compatible(engine: LLMEngine, draft: LlamaForCausalLM, draft_dir: Path) -> None:
+    target_vocab = engine.model_config.vocab_size
+    if draft.config.vocab_size != target_vocab:
+        raise ValueError(f"draft model {draft_dir} has vocab size {draft.config.vocab_size}, "
+                         f"the target has {target_vocab}: they must share one tokenizer")
+    if (draft_dir / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        if AutoTokenizer.from_pretrained(str(draft_dir)).get_vocab() != engine.tokenizer.get_vocab():
+            raise ValueError(f"draft model {draft_dir} uses a different tokenizer than the target")
