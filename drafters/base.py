@@ -3,10 +3,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.drafters.tree import DraftTree
 
 
 @dataclass
@@ -15,8 +19,12 @@ class DraftRequest:
 
     request_id: str
     token_ids: list[int]  # prompt + committed output tokens, the last one not yet in the target KV
-    num_tokens: int  # how many draft tokens the scheduler has room for (>= 1)
+    num_tokens: int  # chain length, or a tree's depth, the scheduler has room for (>= 1)
     sampling_params: SamplingParams
+    max_nodes: int = 0  # > 0: a tree of at most this many draft nodes may be proposed
+    # [H] the target's final hidden state at the last committed token's predecessor
+    # (what produced that token's logits), for drafters that read it (Medusa).
+    hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -25,6 +33,8 @@ class Draft:
     # [len(token_ids), vocab] draft distribution after the request's sampling transforms,
     # or None: the draft is then treated as one-hot by the rejection sampler.
     probs: torch.Tensor | None = None
+    # A tree instead of a chain (token_ids then unused): node 0 is the last committed token.
+    tree: DraftTree | None = None
 
 
 class Drafter(ABC):

@@ -15,7 +15,7 @@ the target's generations rather than from a text corpus. This module
 Everything is cached in shards under `$SPECDEC_HOME/distill/<model>/<tag>/`, so an
 interrupted run resumes and both trainers reuse the same data.
 
-    python -m specdec.drafters.distill_data --num-train 512 --num-heldout 64
+    python -m specdec.drafters.distill_data --num-train 633 --num-heldout 64
 """
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ def split_prompts(num_train: int, num_heldout: int, seed: int = PROMPT_SEED) -> 
 @dataclass
 class DistillConfig:
     model: str = DEFAULT_MODEL
-    num_train: int = 384
+    num_train: int = 633  # every prompt not held out
     num_heldout: int = 64
     max_new_tokens: int = 160
     batch_size: int = 32
@@ -324,9 +324,7 @@ def build_dataset(cfg: DistillConfig, progress: bool = True) -> Path:
     (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     splits = split_prompts(cfg.num_train, cfg.num_heldout, cfg.seed)
     for split, prompts in splits.items():
-        # Similar lengths in one batch waste less compute on padding.
-        prompts = sorted(prompts, key=len)
-        batches = [prompts[i:i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
+        batches = _batches(prompts, cfg.batch_size)
         todo = [i for i in range(len(batches)) if not _shard_path(out_dir, split, i).exists()]
         if not todo:
             continue
@@ -339,6 +337,20 @@ def build_dataset(cfg: DistillConfig, progress: bool = True) -> Path:
             torch.save(records, tmp)
             tmp.rename(_shard_path(out_dir, split, i))  # atomic: a shard is whole or absent
     return out_dir
+
+
+# Prompts are length-sorted only within blocks of this many, so growing --num-train keeps
+# the earlier shards' contents unchanged (only new shards are appended).
+SORT_BLOCK = 384
+
+
+def _batches(prompts: list[str], batch_size: int) -> list[list[str]]:
+    """Batches of prompts of similar length (less compute wasted on padding)."""
+    batches = []
+    for start in range(0, len(prompts), SORT_BLOCK):
+        block = sorted(prompts[start:start + SORT_BLOCK], key=len)
+        batches += [block[i:i + batch_size] for i in range(0, len(block), batch_size)]
+    return batches
 
 
 def _shard_path(out_dir: Path, split: str, index: int) -> Path:

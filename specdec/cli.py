@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from specdec.model_registry import DEFAULT_MODEL, KNOWN_MODELS, pull
@@ -55,6 +59,35 @@ def _serve(args: argparse.Namespace) -> None:
     serve(args)
 
 
+def load_eval(name: str) -> ModuleType | None:
+    """`specdec.evals.<name>`, or evals/<name>.py of the source tree when the installed
+    package has no `specdec.evals` yet (an editable install made before that mapping)."""
+    try:
+        return importlib.import_module(f"specdec.evals.{name}")
+    except ModuleNotFoundError as error:
+        if error.name not in ("specdec.evals", f"specdec.evals.{name}"):
+            raise
+    path = Path(__file__).resolve().parent.parent / "evals" / f"{name}.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(f"_specdec_evals_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up in sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _add_eval(sub: Any) -> None:
+    acceptance = load_eval("eval_acceptance")
+    if acceptance is None:
+        return
+    evals = sub.add_parser("eval", help="evaluations").add_subparsers(dest="eval", required=True)
+    acc = evals.add_parser("acceptance", help="acceptance rate, τ and speedup of speculative configs")
+    acceptance.add_arguments(acc)
+    acc.set_defaults(func=acceptance.main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull_cmd.add_argument("name", choices=sorted(KNOWN_MODELS))
     pull_cmd.add_argument("--force", action="store_true")
     pull_cmd.set_defaults(func=_pull)
+    _add_eval(sub)
     return parser
 
 

@@ -17,6 +17,9 @@ class SpeculativeConfig:
     model: str | None = None  # draft model dir or known name (draft_model, medusa heads dir)
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    # Tree speculation: verify up to this many draft nodes per step (0: a chain of
+    # num_speculative_tokens). The tree's depth is still at most num_speculative_tokens.
+    num_tree_nodes: int = 0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -32,6 +35,11 @@ class SpeculativeConfig:
         config.validate()
         return config
 
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a verify step needs beyond the last committed token."""
+        return self.num_tree_nodes or self.num_speculative_tokens
+
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is not one of {METHODS}")
@@ -41,6 +49,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        if not 0 <= self.num_tree_nodes <= 64:
+            raise ValueError(f"num_tree_nodes must be in [0, 64], got {self.num_tree_nodes}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative method 'draft_model' needs 'model': a draft model directory or name")
 

@@ -19,7 +19,9 @@ from specdec.outputs import RequestOutput
 from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest, Scheduler
-from specdec.verify import verify
+from specdec.drafters.base import Draft, DraftRequest
+from specdec.kernels.kv_ops import move_kv
+from specdec.verify import Verified, verify
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config, kv_cache, self.device)
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
-        self.scheduler = Scheduler(config, self.block_manager, self.num_speculative_tokens)
+        self.scheduler = Scheduler(config, self.block_manager)
         self.drafter = _build_drafter(self) if spec else None
         self.metrics = EngineMetrics(self.num_speculative_tokens)
 
@@ -50,8 +52,11 @@ class LLMEngine:
         per_block = KVCache.bytes_per_block(mc.num_layers, self.config.block_size, mc.num_kv_heads,
                                             mc.head_dim, self.config.dtype)
         num_blocks = int(self.config.kv_cache_memory // per_block)
-        # One request of max_model_len tokens must always fit, or it could never finish.
-        needed = -(-self.max_model_len // self.config.block_size)
+        # One request of max_model_len tokens (plus its lookahead) must always fit, or it
+        # could never finish.
+        spec = self.config.speculative_config
+        lookahead = spec.num_lookahead_slots if spec else 0
+        needed = -(-(self.max_model_len + lookahead) // self.config.block_size)
         if num_blocks < needed:
             raise ValueError(
                 f"kv_cache_memory={self.config.kv_cache_memory} bytes holds {num_blocks} KV blocks "
@@ -120,48 +125,65 @@ class LLMEngine:
         return self._postprocess(batch, sampled, output.num_rows)
 
     def _propose(self, batch: list[ScheduledRequest]) -> list[torch.Tensor | None]:
-        from specdec.drafters.base import DraftRequest
-
         items = [item for item in batch if item.num_lookahead > 0]
         probs: list[torch.Tensor | None] = [None] * len(batch)
         if not items or self.drafter is None:
             return probs
-        requests = [DraftRequest(i.request.request_id, i.request.all_token_ids, i.num_lookahead,
-                                 i.request.sampling_params) for i in items]
+        tree_mode = bool(self.config.speculative_config and self.config.speculative_config.num_tree_nodes)
+        requests = [DraftRequest(i.request.request_id, i.request.all_token_ids, i.max_depth,
+                                 i.request.sampling_params, i.num_lookahead if tree_mode else 0,
+                                 i.request.last_hidden) for i in items]
         drafts = iter(self.drafter.propose(requests))
         for index, item in enumerate(batch):
             if item.num_lookahead > 0:
-                draft = next(drafts)
-                item.draft_token_ids = draft.token_ids[: item.num_lookahead]
-                probs[index] = None if draft.probs is None else draft.probs[: len(item.draft_token_ids)]
+                probs[index] = _attach_draft(item, next(drafts))
         return probs
 
     def _postprocess(self, batch: list[ScheduledRequest], sampled: list[list[int]],
                      num_rows: list[int]) -> list[RequestOutput]:
         outputs = []
-        for item, tokens, rows in zip(batch, sampled, num_rows):
+        for item, result, rows in zip(batch, sampled, num_rows):
             request = item.request
             request.num_computed_tokens += item.num_query_tokens
             if rows == 0:
                 self.block_manager.cache_blocks(request)
                 continue
-            self._commit(item, tokens)
+            self._commit(item, result)
             outputs.append(make_output(request))
             if request.finish_reason is not None:
                 self._finish(request)
         return outputs
 
-    def _commit(self, item: ScheduledRequest, tokens: list[int]) -> None:
+    def _commit(self, item: ScheduledRequest, result: Verified) -> None:
         request = item.request
-        num_drafts = len(item.draft_token_ids)
+        tokens = result.tokens
         num_accepted = len(tokens) - 1
-        request.num_computed_tokens -= num_drafts - num_accepted  # roll back rejected drafts
+        if item.tree is not None:
+            num_drafts = item.tree.max_depth
+            self._compact_tree(item, result.accepted_nodes)
+        else:
+            num_drafts = len(item.draft_token_ids)
+        # Roll back: of the draft positions, only the accepted ones keep their KV.
+        request.num_computed_tokens -= item.num_query_tokens - item.num_new_tokens - num_accepted
+        request.last_hidden = result.hidden
         kept = commit_tokens(request, tokens, self.max_model_len)
         if num_drafts:
             self.metrics.observe_draft(num_drafts, min(num_accepted, kept))
         self.metrics.num_generation_tokens += kept
         self.block_manager.truncate(request, request.num_tokens)
         self.block_manager.cache_blocks(request)
+
+    def _compact_tree(self, item: ScheduledRequest, accepted_nodes: list[int]) -> None:
+        """Move the accepted path's KV into the request's next contiguous positions."""
+        start = item.request.num_computed_tokens - item.num_query_tokens  # the root's position
+        moves = [(start + node, start + depth) for depth, node in enumerate(accepted_nodes, start=1)
+                 if node != depth]
+        if moves:
+            table = item.request.block_table
+            bs = self.config.block_size
+            src = [table[p // bs] * bs + p % bs for p, _ in moves]
+            dst = [table[p // bs] * bs + p % bs for _, p in moves]
+            move_kv(self.runner.kv_cache.layers, torch.tensor(src), torch.tensor(dst))
 
     def _fail(self, batch: list[ScheduledRequest], error: Exception) -> list[RequestOutput]:
         outputs = []
@@ -190,6 +212,15 @@ class LLMEngine:
             num_blocks=self.block_manager.num_blocks,
         )
         return stats
+
+
+def _attach_draft(item: ScheduledRequest, draft: Draft) -> torch.Tensor | None:
+    """Put a drafter's proposal on the scheduled item, trimmed to what was reserved."""
+    if draft.tree is not None:
+        item.tree = draft.tree.prune(item.num_lookahead, item.max_depth)
+        return None
+    item.draft_token_ids = draft.token_ids[: item.max_depth]
+    return None if draft.probs is None else draft.probs[: len(item.draft_token_ids)]
 
 
 def _eos_token_ids(model_dir: Any, tokenizer: Any) -> set[int]:

@@ -62,18 +62,22 @@ class ModelRunner:
         for item in batch:
             start = item.request.num_computed_tokens
             query = self._query_tokens(item)
-            n_rows = 1 + len(item.draft_token_ids) if item.completes_prompt else 0
+            n_rows = item.num_query_tokens - item.num_new_tokens + 1 if item.completes_prompt else 0
             rows.extend(range(len(tokens) + len(query) - n_rows, len(tokens) + len(query)))
             num_rows.append(n_rows)
             tokens.extend(query)
-            positions.extend(range(start, start + len(query)))
+            positions.extend(item.tree.positions(start) if item.tree else range(start, start + len(query)))
             slots.extend(self._slots(item.request.block_table, start, len(query)))
         meta = self._metadata(batch, slots)
+        if any(item.tree is not None for item in batch):
+            meta.tree_mask = _tree_mask(batch, meta.max_query_len)
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_long(tokens), as_long(positions), meta, as_long(rows), num_rows
 
     @staticmethod
     def _query_tokens(item: ScheduledRequest) -> list[int]:
+        if item.tree is not None:
+            return list(item.tree.token_ids)
         req = item.request
         start = req.num_computed_tokens
         return req.all_token_ids[start : start + item.num_new_tokens] + item.draft_token_ids
@@ -99,3 +103,14 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
+
+
+def _tree_mask(batch: list[ScheduledRequest], max_query_len: int) -> torch.Tensor:
+    """[T, max_query_len] bool: trees see their ancestors, everything else is causal."""
+    masks = []
+    for item in batch:
+        n = item.num_query_tokens
+        mask = torch.zeros(n, max_query_len, dtype=torch.bool)
+        mask[:, :n] = item.tree.attention_mask() if item.tree is not None else torch.ones(n, n, dtype=torch.bool).tril()
+        masks.append(mask)
+    return torch.cat(masks)

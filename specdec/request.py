@@ -51,6 +51,8 @@ class Request:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.generator = _generator(sampling_params.seed)
+        # [H] target hidden state that produced the last committed token (Medusa reads it)
+        self.last_hidden: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,21 +9,29 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specdec.block_manager import BlockManager
-from specdec.config import EngineConfig
+from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from specdec.drafters.tree import DraftTree
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # known tokens to run (prefill chunk or the last sampled token)
-    num_lookahead: int = 0  # slots reserved for draft tokens
+    num_lookahead: int = 0  # slots reserved for draft tokens (or tree nodes)
+    max_depth: int = 0  # draft tokens that can still be committed this step
     draft_token_ids: list[int] = field(default_factory=list)
+    tree: DraftTree | None = None  # a draft tree; its root is the one new token
 
     @property
     def num_query_tokens(self) -> int:
+        if self.tree is not None:
+            return self.tree.num_nodes
         return self.num_new_tokens + len(self.draft_token_ids)
 
     @property
@@ -34,10 +42,10 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, num_speculative_tokens: int) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.num_speculative_tokens = num_speculative_tokens
+        self.spec: SpeculativeConfig | None = config.speculative_config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -83,10 +91,11 @@ class Scheduler:
 
     def _plan(self, request: Request, budget: int) -> ScheduledRequest:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        lookahead = 0
-        if request.is_decoding and request.use_speculation:
-            lookahead = min(self.num_speculative_tokens, budget - 1, self._room(request))
-        return ScheduledRequest(request, num_new, max(lookahead, 0))
+        if self.spec is None or not (request.is_decoding and request.use_speculation):
+            return ScheduledRequest(request, num_new)
+        depth = max(0, min(self.spec.num_speculative_tokens, budget - 1, self._room(request)))
+        slots = min(self.spec.num_tree_nodes, budget - 1) if self.spec.num_tree_nodes else depth
+        return ScheduledRequest(request, num_new, slots if depth else 0, min(depth, slots))
 
     def _room(self, request: Request) -> int:
         """Draft tokens that can still be committed: the step commits accepted + 1."""

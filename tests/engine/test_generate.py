@@ -107,3 +107,10 @@ def test_unknown_architecture_fails_clearly(tmp_path) -> None:  # type: ignore[n
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="GPT2LMHeadModel|gpt2"):
         LLM(str(tmp_path))
+
+
+def test_each_token_costs_one_step(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Prefill once, then one decode step per token: nothing is recomputed."""
+    llm = LLM(str(tiny_model_dir), max_model_len=256)
+    llm.generate([PROMPTS[1]], GREEDY)
+    assert llm.get_metrics()["num_steps"] == GREEDY.max_tokens

@@ -1,0 +1,169 @@
+"""Batch-1 latency of plain, speculative and Hugging Face decoding, plus batched throughput.
+
+Methods run alternately prompt by prompt in one process, so machine noise hits them
+alike; speedups are ratios of tokens/s measured side by side.
+
+    python evals/bench_latency.py --methods hf,plain,ngram,draft_model \
+        --categories summarization,rag,code,qa,math_reasoning --num-prompts 3 --concurrency 1,4,16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import INPUT_GROUNDED, load_prompts, markdown_table, mean, timed  # noqa: E402
+
+from specdec import LLM, SamplingParams  # noqa: E402
+from specdec.model_registry import DEFAULT_MODEL  # noqa: E402
+
+DRAFT_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-draft"
+MEDUSA_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-medusa"
+PRESETS: dict[str, dict[str, Any] | None] = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+    "ngram-k3": {"method": "ngram", "num_speculative_tokens": 3},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(DRAFT_DIR)},
+    "medusa": {"method": "medusa", "num_speculative_tokens": 4, "model": str(MEDUSA_DIR)},
+}
+
+
+class HFRunner:
+    """transformers' greedy generate on the same checkpoint, for the baseline."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def generate(self, ids: list[int], max_tokens: int) -> int:
+        with torch.inference_mode():
+            out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
+        return out.shape[1] - len(ids)
+
+
+def build_runners(args: argparse.Namespace) -> dict[str, Any]:
+    runners: dict[str, Any] = {}
+    for method in args.methods:
+        if method == "hf":
+            continue
+        runners[method] = LLM(args.model, speculative_config=PRESETS[method], max_model_len=args.max_model_len)
+    if "hf" in args.methods:
+        base = next(iter(runners.values()), None) or LLM(args.model, max_model_len=args.max_model_len)
+        runners["hf"] = HFRunner(base.model_dir)
+    return runners
+
+
+def run_one(runner: Any, ids: list[int], max_tokens: int) -> tuple[int, dict[str, Any]]:
+    if isinstance(runner, HFRunner):
+        return runner.generate(ids, max_tokens), {}
+    before = runner.get_metrics()
+    out = runner.generate([ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+    after = runner.get_metrics()
+    delta = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    return len(out.outputs[0].token_ids), delta
+
+
+def bench_batch1(args: argparse.Namespace, runners: dict[str, Any]) -> list[dict[str, Any]]:
+    chat = next(r for r in runners.values() if isinstance(r, LLM))
+    results = []
+    for category in args.categories:
+        stats = {m: {"tokens": 0, "seconds": 0.0, "drafts": 0, "accepted": 0, "drafted": 0} for m in args.methods}
+        for text in load_prompts(category, args.num_prompts):
+            ids = chat.apply_chat_template([{"role": "user", "content": text}])
+            for method in args.methods:  # alternate methods on every prompt
+                (tokens, delta), seconds = timed(lambda: run_one(runners[method], ids, args.max_tokens))
+                s = stats[method]
+                s["tokens"] += tokens
+                s["seconds"] += seconds
+                s["drafts"] += delta.get("num_drafts", 0)
+                s["drafted"] += delta.get("num_draft_tokens", 0)
+                s["accepted"] += delta.get("num_accepted_tokens", 0)
+        results += [_row(category, m, s, stats) for m, s in stats.items()]
+    return results
+
+
+def _row(category: str, method: str, s: dict[str, Any], stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    tps = s["tokens"] / s["seconds"]
+    plain = stats.get("plain")
+    plain_tps = plain["tokens"] / plain["seconds"] if plain else float("nan")
+    hf = stats.get("hf")
+    hf_tps = hf["tokens"] / hf["seconds"] if hf else float("nan")
+    return {
+        "category": category, "method": method, "tokens": s["tokens"], "tokens_per_s": tps,
+        "speedup_vs_plain": tps / plain_tps, "speedup_vs_hf": tps / hf_tps,
+        "tau": 1 + s["accepted"] / s["drafts"] if s["drafts"] else None,
+        "acceptance_rate": s["accepted"] / s["drafted"] if s["drafted"] else None,
+    }
+
+
+def bench_concurrency(args: argparse.Namespace, llm: LLM) -> list[dict[str, Any]]:
+    texts = [t for c in args.categories for t in load_prompts(c, 64)]
+    results = []
+    for concurrency in args.concurrency:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}])
+                   for i in range(concurrency)]
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        outs, seconds = timed(lambda: llm.generate(prompts, params))
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        results.append({"concurrency": concurrency, "tokens": tokens, "seconds": seconds,
+                        "tokens_per_s": tokens / seconds})
+    base = results[0]["tokens_per_s"]
+    for r in results:
+        r["vs_concurrency_1"] = r["tokens_per_s"] / base
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--methods", default="hf,plain,ngram", type=lambda s: s.split(","))
+    parser.add_argument("--categories", default="summarization,rag,code,qa,math_reasoning,translation,mt_bench",
+                        type=lambda s: s.split(","))
+    parser.add_argument("--num-prompts", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--concurrency", default="", type=lambda s: [int(x) for x in s.split(",") if x])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None, help="also write every number here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    runners = build_runners(args)
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    report["batch1"] = bench_batch1(args, runners)
+    print(markdown_table(["category", "method", "tok/s", "vs plain", "vs HF", "τ", "accept"],
+                         [[r["category"], r["method"], r["tokens_per_s"], r["speedup_vs_plain"], r["speedup_vs_hf"],
+                           r["tau"] if r["tau"] is not None else "-",
+                           r["acceptance_rate"] if r["acceptance_rate"] is not None else "-"]
+                          for r in report["batch1"]]))
+    print()
+    print(markdown_table(["method", "input-grounded tok/s", "vs plain", "other tok/s", "vs plain"],
+                         _summary(report["batch1"], args.methods)))
+    if args.concurrency:
+        llm = runners.get("plain") or LLM(args.model, max_model_len=args.max_model_len)
+        report["concurrency"] = bench_concurrency(args, llm)
+        print()
+        print(markdown_table(["concurrency", "tokens", "seconds", "total tok/s", "vs 1"],
+                             [[r["concurrency"], r["tokens"], r["seconds"], r["tokens_per_s"], r["vs_concurrency_1"]]
+                              for r in report["concurrency"]]))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+def _summary(rows: list[dict[str, Any]], methods: list[str]) -> list[list[Any]]:
+    out = []
+    for method in methods:
+        grounded = [r for r in rows if r["method"] == method and r["category"] in INPUT_GROUNDED]
+        other = [r for r in rows if r["method"] == method and r["category"] not in INPUT_GROUNDED]
+        out.append([method, mean([r["tokens_per_s"] for r in grounded]), mean([r["speedup_vs_plain"] for r in grounded]),
+                    mean([r["tokens_per_s"] for r in other]), mean([r["speedup_vs_plain"] for r in other])])
+    return out
+
+
+if __name__ == "__main__":
+    main()

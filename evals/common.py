@@ -1,0 +1,38 @@
+"""Shared pieces of the benchmark scripts: prompt sets, timing, tables."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+PROMPTS_DIR = Path(__file__).parent / "prompts"
+INPUT_GROUNDED = ("summarization", "rag", "code")
+
+
+def load_prompts(category: str, limit: int) -> list[str]:
+    """First-turn user messages of one category's prompt file."""
+    path = PROMPTS_DIR / f"{category}.jsonl"
+    items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [item["turns"][0] for item in items if "turns" in item][:limit]
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else 0.0

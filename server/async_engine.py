@@ -1,0 +1,390 @@
+"""An asyncio front for LLMEngine: one background thread owns the engine.
+
+The engine is not thread-safe, so every engine call (add_request, abort_request, step,
+get_metrics) happens in a single loop thread. The event loop hands commands to that
+thread through a thread-safe queue; the thread pushes each step's outputs back to
+per-request asyncio queues with `loop.call_soon_threadsafe`. When no request is in
+flight the thread sleeps on the command queue (no busy spinning).
+
+A request with n > 1 runs as n child requests `{id}-{i}` with seeds `seed + i`, like
+`LLM._add`; its stream merges them into one RequestOutput with n completions.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from specdec.outputs import CompletionOutput, RequestOutput
+from specdec.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop thread has stopped; no request can be served."""
+
+
+class EngineShuttingDownError(RuntimeError):
+    """The engine is draining or stopped and takes no new requests."""
+
+
+class EngineLike(Protocol):
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    use_speculation: bool = True) -> Any: ...
+    def abort_request(self, request_id: str) -> RequestOutput | None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def get_metrics(self) -> dict[str, Any]: ...
+
+
+# ---- per-request state shared by the two threads -----------------------------------------
+
+
+class _Group:
+    """One API request: its child ids, and the asyncio queue its outputs go to."""
+
+    def __init__(self, request_id: str, n: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        self.unfinished: set[str] = set()  # touched by the engine thread only
+
+    def deliver(self, index: int, output: RequestOutput) -> None:
+        """Engine thread: hand one child's output to the event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, output))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class _Add:
+    group: _Group
+    prompt: Prompt
+    params: SamplingParams
+    use_speculation: bool
+    future: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stop:
+    drain: bool
+
+
+_Command = _Add | _Abort | _Stop
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)
+
+
+def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
+    """Event loop: settle an add-future unless its caller already gave up."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    try:
+        future.get_loop().call_soon_threadsafe(_resolve, future, error)
+    except RuntimeError:
+        pass
+
+
+def _error_output(request_id: str, base: RequestOutput | None, message: str) -> RequestOutput:
+    if base is None:
+        base = RequestOutput(request_id, None, [], [CompletionOutput(0, "", [])], True)
+    base.outputs[0].finish_reason = "error"
+    base.finished = True
+    base.error = message
+    return base
+
+
+# ---- the caller's view of one request ----------------------------------------------------
+
+
+class RequestStream:
+    """Async iterator of merged, cumulative RequestOutputs; ends after the finished one."""
+
+    def __init__(self, engine: AsyncEngine, group: _Group, params: SamplingParams) -> None:
+        self._engine = engine
+        self._group = group
+        self._latest: list[RequestOutput | None] = [None] * len(group.child_ids)
+        self._with_logprobs = params.logprobs is not None
+        self.finished = False
+        self._aborted = False
+
+    @property
+    def request_id(self) -> str:
+        return self._group.request_id
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        self._take(await self._group.queue.get())
+        while not self._group.queue.empty():  # several steps may be waiting: coalesce them
+            self._take(self._group.queue.get_nowait())
+        merged = self._merged()
+        self.finished = merged.finished
+        return merged
+
+    def abort(self) -> None:
+        """Abort in the engine (frees its KV blocks); a no-op once finished. Never blocks."""
+        if not self.finished and not self._aborted:
+            self._aborted = True
+            self._engine.abort_nowait(self.request_id)
+
+    def _take(self, item: tuple[int, RequestOutput]) -> None:
+        index, output = item
+        self._latest[index] = output
+
+    def _merged(self) -> RequestOutput:
+        outs = self._latest
+        first = next(o for o in outs if o is not None)
+        completions = [self._completion(i, o) for i, o in enumerate(outs)]
+        return RequestOutput(
+            request_id=self.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=completions, finished=all(o is not None and o.finished for o in outs),
+            metrics=first.metrics, error=next((o.error for o in outs if o is not None and o.error), None),
+        )
+
+    def _completion(self, index: int, output: RequestOutput | None) -> CompletionOutput:
+        if output is None:  # this child has not produced anything yet
+            return CompletionOutput(index, "", [], logprobs=[] if self._with_logprobs else None)
+        return replace(output.outputs[0], index=index)
+
+
+# ---- the engine front --------------------------------------------------------------------
+
+
+class AsyncEngine:
+    def __init__(self, engine: EngineLike) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[_Command] = queue.Queue()
+        self._lock = threading.Lock()  # orders "submit" against "the loop has closed"
+        self._closed = False
+        self._accepting = True
+        self._draining = False
+        self._error: str | None = None
+        self._groups: dict[str, _Group] = {}  # engine thread only
+        self._children: dict[str, tuple[_Group, int]] = {}  # engine thread only
+        self.stats: dict[str, Any] = dict(engine.get_metrics())  # snapshot, replaced after each step
+        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self._thread.start()
+
+    # -- status --
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._accepting and self.is_alive
+
+    # -- event loop side --
+
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                       use_speculation: bool = True) -> RequestStream:
+        """Add the request; raises ValueError for a bad prompt before any streaming starts."""
+        self._check_accepting()
+        loop = asyncio.get_running_loop()
+        group = _Group(request_id, params.n, loop)
+        future: asyncio.Future[None] = loop.create_future()
+        self._submit(_Add(group, prompt, params, use_speculation, future))
+        try:
+            await future
+        except asyncio.CancelledError:  # the caller went away: do not leave the request behind
+            self.abort_nowait(request_id)
+            raise
+        return RequestStream(self, group, params)
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        try:
+            self._submit(_Abort(request_id))
+        except RuntimeError:
+            pass  # the loop is gone: its requests are gone with it
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests from now on (health reports 503); in-flight ones go on."""
+        self._accepting = False
+
+    async def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop the loop: drain=True finishes in-flight requests first, else aborts them."""
+        self.begin_shutdown()
+        try:
+            self._submit(_Stop(drain))
+        except RuntimeError:
+            pass
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+
+    def _check_accepting(self) -> None:
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine loop has stopped: {self._error or 'shut down'}")
+        if not self._accepting:
+            raise EngineShuttingDownError("the server is shutting down and takes no new requests")
+
+    def _submit(self, command: _Command) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError(f"the engine loop has stopped: {self._error or 'shut down'}")
+            self._commands.put(command)
+
+    # -- engine thread side --
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - the loop must report any death
+            logger.exception("the engine loop died")
+            self._error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._close()
+
+    def _loop(self) -> None:
+        stopping = False
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            stopping = self._handle_commands(block=not busy and not stopping) or stopping
+            busy = self.engine.has_unfinished_requests()
+            if stopping and not (self._draining and busy):
+                return
+            if busy:
+                self._step()
+            self.stats = dict(self.engine.get_metrics())
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Run queued commands (waiting for one when idle); True once asked to stop."""
+        stop = False
+        try:
+            command = self._commands.get(block=block)
+            while True:
+                stop = self._handle(command) or stop
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return stop
+
+    def _handle(self, command: _Command) -> bool:
+        if isinstance(command, _Add):
+            self._add(command)
+        elif isinstance(command, _Abort):
+            self._abort(command.request_id)
+        else:
+            self._draining = command.drain
+            if not command.drain:
+                for request_id in list(self._groups):
+                    self._abort(request_id)
+            return True
+        return False
+
+    def _add(self, command: _Add) -> None:
+        group = command.group
+        if not self._accepting:
+            _settle(command.future, EngineShuttingDownError("the server is shutting down"))
+            return
+        if group.request_id in self._groups:
+            _settle(command.future, ValueError(f"request id {group.request_id!r} is already in use"))
+            return
+        try:
+            for index, child_id in enumerate(group.child_ids):
+                self.engine.add_request(child_id, command.prompt, _child_params(command.params, index),
+                                        command.use_speculation)
+                self._register(group, index, child_id)
+        except Exception as exc:  # a bad prompt: undo the children already added
+            self._abort(group.request_id, deliver=False)
+            _settle(command.future, exc)
+            return
+        _settle(command.future, None)
+
+    def _register(self, group: _Group, index: int, child_id: str) -> None:
+        self._groups[group.request_id] = group
+        self._children[child_id] = (group, index)
+        group.unfinished.add(child_id)
+
+    def _abort(self, request_id: str, deliver: bool = True) -> None:
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        for child_id in list(group.unfinished):
+            output = self.engine.abort_request(child_id)
+            if output is None:
+                output = _error_output(child_id, None, "the request was aborted")
+                output.outputs[0].finish_reason = "abort"
+            self._dispatch(output, deliver)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the in-flight requests, keep serving
+            logger.exception("engine step failed; failing the in-flight requests")
+            self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            return
+        for output in outputs:
+            self._dispatch(output)
+
+    def _dispatch(self, output: RequestOutput, deliver: bool = True) -> None:
+        entry = self._children.get(output.request_id)
+        if entry is None:
+            return
+        group, index = entry
+        if output.finished:
+            self._children.pop(output.request_id, None)
+            group.unfinished.discard(output.request_id)
+            if not group.unfinished:
+                self._groups.pop(group.request_id, None)
+        if deliver:
+            group.deliver(index, output)
+
+    def _fail_all(self, message: str) -> None:
+        for child_id in list(self._children):
+            try:
+                base = self.engine.abort_request(child_id)
+            except Exception:  # noqa: BLE001 - keep failing the others
+                logger.exception("could not abort %s", child_id)
+                base = None
+            self._dispatch(_error_output(child_id, base, message))
+
+    def _close(self) -> None:
+        """Loop exit: refuse new commands, then fail whatever is still waiting or running."""
+        with self._lock:
+            self._closed = True
+            self._accepting = False
+        message = f"the engine loop has stopped: {self._error or 'shut down'}"
+        try:
+            while True:
+                command = self._commands.get_nowait()
+                if isinstance(command, _Add):
+                    _settle(command.future, EngineDeadError(message))
+        except queue.Empty:
+            pass
+        for child_id in list(self._children):
+            self._dispatch(_error_output(child_id, None, message))

@@ -1,0 +1,275 @@
+"""Request bodies of the OpenAI-compatible API (pydantic 2), and their validation errors.
+
+Beyond OpenAI's fields every generation request takes a few vLLM-style extras:
+`top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output`, and the specdec switch
+
+    speculative: bool = true
+
+which turns speculative decoding off for this one request (plain decoding of the same
+target model). With temperature 0 both give the same tokens; with speculation they
+usually arrive sooner, several per step. It is a no-op on a server started without a
+`--speculative-config`.
+
+Unknown fields are ignored, as OpenAI's own server does for fields it does not know.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specdec.sampling_params import MAX_N, MAX_STOP_STRINGS, SamplingParams
+
+MAX_LOGPROBS = 20
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_token_ids(value: list[Any], what: str) -> None:
+    if not value:
+        raise ValueError(f"{what} is empty: at least one token is needed")
+    if not all(_is_int(t) for t in value):
+        raise ValueError(f"{what} must contain only integer token ids")
+
+
+def check_prompt(value: Any) -> Any:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError("prompt must be a non-empty string, a list of strings, a list of token ids "
+                         "or a list of lists of token ids")
+    if all(isinstance(p, str) for p in value):
+        if not all(value):
+            raise ValueError("the prompt is empty: at least one token is needed")
+        return value
+    if all(_is_int(t) for t in value):
+        return value
+    if all(isinstance(p, list) for p in value):
+        for p in value:
+            _check_token_ids(p, "a prompt of token ids")
+        return value
+    raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                     "or a list of lists of token ids (not a mix)")
+
+
+def check_stop(value: Any) -> Any:
+    stops = [value] if isinstance(value, str) else value
+    if stops is None:
+        return None
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+    return value
+
+
+class _Sampling(_Body):
+    """The fields every generation request shares."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    speculative: bool = True  # False: plain decoding for this request
+
+    _check_stop = field_validator("stop", mode="before")(check_stop)
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(t < 0 for t in value):
+            raise ValueError("stop_token_ids must be non-negative integers")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError("presence and frequency penalties are not supported; use 0")
+        return value
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """May raise ValueError (SamplingParams' own checks)."""
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class CompletionRequest(_Sampling):
+    prompt: PromptInput
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    _check_prompt = field_validator("prompt", mode="before")(check_prompt)
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported: prompt logprobs are not computed")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt in the batch."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(t, int) for t in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self.sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+def check_content(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError("content must be a string or a list of content parts")
+    for part in value:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError('only text content parts are supported: {"type": "text", "text": "..."}')
+    return value
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    _check_content = field_validator("content", mode="before")(check_content)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [m.for_template() for m in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs)  # None: up to max_model_len
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- validation errors -> one clear message ------------------------------------------------
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _message(error: dict[str, Any]) -> str:
+    msg = str(error.get("msg", "invalid value"))
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    return msg
+
+
+def format_validation_error(exc: ValidationError) -> tuple[str, str | None]:
+    """(message, param) built from field locations and messages only: no URLs, no inputs."""
+    parts, param = [], None
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        where = _location(tuple(error.get("loc", ())))
+        param = param or where or None
+        parts.append(f"{where}: {_message(error)}" if where else _message(error))
+    return "; ".join(parts) or "invalid request", param

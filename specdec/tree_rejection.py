@@ -1,0 +1,239 @@
+"""Tree verification: multi-candidate rejection sampling over draft trees.
+
+For request i the target scored one row per tree node: row u is the target's
+distribution for the token AFTER node u (the root row is plain decoding's row).
+
+Greedy: from the root, move to the first child carrying the target's argmax; stop at a
+node none of whose children does and emit that argmax (recovered, or bonus at a leaf).
+
+Stochastic (SpecInfer's multi-round speculative sampling, children drawn independently):
+at node u with residual r = target_probs(u), try the children c in order with their
+draft distribution d_c: accept c with probability min(1, r[x_c] / d_c[x_c]); on a
+rejection set r = norm(max(0, r - d_c)). An accepted child becomes the new u. If every
+child is rejected, the recovered token is sampled from r; at a leaf the bonus token is
+sampled from target_probs(leaf). Each round is one ordinary speculative step against r,
+so the emitted token follows r; by induction the first emitted token follows the
+target, and so does every later one. This needs each x_c ~ d_c independently given the
+path (i.i.d. sampled siblings, duplicates allowed) or x_c deterministic (one-hot d_c:
+top-k / n-gram guesses, where a rejection just zeroes r[x_c]). Siblings sampled
+WITHOUT replacement are neither, and would need another residual update.
+
+Random draws: a seeded request draws one uniform per draft node (node order, N - 1
+draws), then V exponentials for the final token. A chain tree therefore consumes its
+generator exactly as `specdec.rejection.rejection_sample` does and, seeded, gives the
+identical output. Unseeded rows use the global RNG in batch-shaped calls, so their
+outputs match the chain sampler in distribution only.
+
+Shapes: B requests, G = sum(N_i) flat node rows, C = max children of a node, V vocab.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specdec.drafters.tree import DraftTree
+from specdec.rejection import residual_probs
+from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
+
+
+@dataclass
+class TreeResult:
+    accepted_nodes: list[int]  # node indices of the accepted path, root excluded, by depth
+    tokens: list[int]  # the accepted nodes' tokens, then one recovered or bonus token
+
+
+@dataclass
+class FlatTrees:
+    """A batch of trees laid out on the flat target rows (one row per node)."""
+
+    starts: list[int]  # [B] first flat row of each tree (its root)
+    tokens: Tensor  # [G] int64 node tokens
+    parent: Tensor  # [G] int64 flat row of the parent; -1 at roots
+    request: Tensor  # [G] int64 owning request
+    children: Tensor  # [G, C] int64 flat rows of the children in node order; -1 padded
+    # [G] bool: no earlier sibling carries the same token. Greedy moves to the FIRST
+    # child with the argmax token, and this keeps the matching nodes a single path.
+    first_of_token: Tensor
+    max_depth: int
+
+    @classmethod
+    def build(cls, trees: list[DraftTree], device: torch.device) -> FlatTrees:
+        starts, tokens, parent, request, slot, first = [], [], [], [], [], []
+        offset = 0
+        for b, tree in enumerate(trees):
+            starts.append(offset)
+            seen: set[tuple[int, int]] = set()
+            num_children = [0] * tree.num_nodes
+            for i, (tok, p) in enumerate(zip(tree.token_ids, tree.parents)):
+                tokens.append(tok)
+                parent.append(p + offset if p >= 0 else -1)
+                request.append(b)
+                slot.append(num_children[p] if p >= 0 else -1)  # rank among its siblings
+                first.append((p, tok) not in seen)
+                seen.add((p, tok))
+                if p >= 0:
+                    num_children[p] += 1
+            offset += tree.num_nodes
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        parent_t, slot_t = as_long(parent), as_long(slot)  # [G] each
+        width = max(int(slot_t.max()) + 1, 1) if slot else 1
+        children = torch.full((offset, width), -1, dtype=torch.int64, device=device)  # [G, C]
+        is_child = parent_t >= 0  # [G]
+        children[parent_t[is_child], slot_t[is_child]] = torch.nonzero(is_child).squeeze(1)
+        return cls(starts=starts, tokens=as_long(tokens), parent=parent_t, request=as_long(request),
+                   children=children, first_of_token=torch.tensor(first, dtype=torch.bool, device=device),
+                   max_depth=max((t.max_depth for t in trees), default=0))
+
+
+def tree_verify(
+    target_logits: Tensor,  # [G, V]: per request, one row per tree node, in node order
+    trees: list[DraftTree],  # [B]
+    st: SamplingTensors,  # one row per request
+) -> list[TreeResult]:
+    _check_shapes(target_logits, trees, st)
+    flat = FlatTrees.build(trees, target_logits.device)
+    greedy = st.greedy.tolist()
+    last_node = torch.empty(len(trees), dtype=torch.int64, device=target_logits.device)  # [B] flat row
+    final_token = torch.empty_like(last_node)  # [B]
+    if any(greedy):
+        # One vectorised pass over every tree; stochastic rows are overwritten below.
+        last_node[:], final_token[:] = _greedy(target_logits, flat)
+    stochastic = [b for b, g in enumerate(greedy) if not g]
+    if stochastic:
+        rows = torch.tensor(stochastic, dtype=torch.int64, device=target_logits.device)  # [S]
+        last_node[rows], final_token[rows] = _stochastic(target_logits, trees, flat, st, stochastic)
+    return [_result(tree, node - start, tok) for tree, start, node, tok
+            in zip(trees, flat.starts, last_node.tolist(), final_token.tolist())]
+
+
+def _greedy(target_logits: Tensor, flat: FlatTrees) -> tuple[Tensor, Tensor]:
+    """Last accepted flat row [B] and the target argmax there [B]."""
+    target_argmax = target_logits.argmax(dim=-1)  # [G]
+    is_root = flat.parent < 0  # [G]
+    parent = flat.parent.clamp(min=0)  # [G]; roots point at row 0, masked by is_root
+    match = (flat.tokens == target_argmax[parent]) & flat.first_of_token & ~is_root  # [G]
+    on_path = match | is_root  # [G]
+    for _ in range(flat.max_depth):
+        # After d rounds every node of depth <= d knows whether its whole path matches.
+        on_path = (match & on_path[parent]) | is_root
+    # On-path nodes form one chain per tree and a descendant has a larger row: take the max.
+    node = torch.where(on_path, torch.arange(len(on_path), device=on_path.device), -1)  # [G]
+    last = torch.full((len(flat.starts),), -1, dtype=torch.int64, device=node.device)  # [B]
+    last = last.scatter_reduce(0, flat.request, node, reduce="amax")
+    return last, target_argmax[last]
+
+
+def _stochastic(
+    target_logits: Tensor,  # [G, V]
+    trees: list[DraftTree],  # [B]
+    flat: FlatTrees,
+    st: SamplingTensors,  # [B] rows
+    requests: list[int],  # S stochastic request indices
+) -> tuple[Tensor, Tensor]:  # last accepted flat row [S], final token [S]
+    sub = st.select(requests)
+    target_probs = _target_probs(target_logits, trees, flat, sub, requests)  # [G, V], S trees filled
+    draft_probs = _flat_draft_probs(trees, target_logits.shape[1], target_logits.device)  # [G, V] or None
+    uniform = _node_uniforms(trees, flat, sub.generators, requests, target_logits.device)  # [G]
+    node = torch.tensor([flat.starts[b] for b in requests], dtype=torch.int64,
+                        device=target_logits.device)  # [S] current node, starting at the roots
+    residual = target_probs[node]  # [S, V]
+    active = torch.ones_like(node, dtype=torch.bool)  # [S] still walking down
+    for _ in range(flat.max_depth + 1):
+        moved = torch.zeros_like(active)  # [S] a child of `node` was accepted this level
+        for slot in range(flat.children.shape[1]):
+            child = flat.children[node, slot]  # [S] flat row, -1 when there is none
+            trying = active & ~moved & (child >= 0)  # [S]
+            if not bool(trying.any()):
+                break  # children are packed by slot: no row has a later one either
+            child = child.clamp(min=0)
+            accept, residual = _try_child(residual, child, trying, flat.tokens, draft_probs, uniform)
+            node = torch.where(accept, child, node)
+            moved |= accept
+        # A moved row restarts from the target at its new node; a stopped row keeps its
+        # residual (all children rejected) or the target itself (a leaf: bonus).
+        residual = torch.where(moved.unsqueeze(1), target_probs[node], residual)
+        active &= moved
+        if not bool(active.any()):
+            break
+    return node, sample_probs(residual, sub.generators)
+
+
+def _try_child(
+    residual: Tensor,  # [S, V] current residual at each row's node
+    child: Tensor,  # [S] flat row of the candidate child (clamped; see trying)
+    trying: Tensor,  # [S] bool rows that test a child now
+    tokens: Tensor,  # [G] node tokens
+    draft_probs: Tensor | None,  # [G, V] or None: one-hot
+    uniform: Tensor,  # [G] one uniform per node
+) -> tuple[Tensor, Tensor]:  # accepted [S] bool, updated residual [S, V]
+    token = tokens[child].unsqueeze(1)  # [S, 1]
+    if draft_probs is None:
+        draft = torch.zeros_like(residual).scatter_(1, token, 1.0)  # [S, V] one-hot guesses
+    else:
+        draft = draft_probs[child]  # [S, V]
+    draft_at = draft.gather(1, token).squeeze(1)  # [S]
+    target_at = residual.gather(1, token).squeeze(1)  # [S]
+    # u < r/d without a division; a zero draft prob means a bogus draft: reject.
+    accept = trying & (draft_at > 0) & (uniform[child] * draft_at < target_at)  # [S]
+    rejected = (trying & ~accept).unsqueeze(1)  # [S, 1]
+    return accept, torch.where(rejected, residual_probs(residual, draft), residual)
+
+
+def _target_probs(
+    target_logits: Tensor,  # [G, V]
+    trees: list[DraftTree],
+    flat: FlatTrees,
+    sub: SamplingTensors,  # [S]
+    requests: list[int],  # [S]
+) -> Tensor:  # [G, V]; only the S requests' rows are written
+    counts = [trees[b].num_nodes for b in requests]
+    rows = torch.tensor([r for b in requests for r in range(flat.starts[b], flat.starts[b] + trees[b].num_nodes)],
+                        dtype=torch.int64, device=target_logits.device)  # [sum(counts)]
+    out = torch.empty(target_logits.shape, dtype=torch.float32, device=target_logits.device)
+    out[rows] = logits_to_probs(target_logits[rows], sub.repeat(counts))
+    return out
+
+
+def _flat_draft_probs(trees: list[DraftTree], vocab: int, device: torch.device) -> Tensor | None:
+    """[G, V] every node's draft row (one-hot for trees without probs), or None if no tree has any."""
+    if all(t.draft_probs is None for t in trees):
+        return None
+    rows = [t.draft_probs.float().to(device) if t.draft_probs is not None
+            else torch.nn.functional.one_hot(torch.tensor(t.token_ids, device=device), vocab).float()
+            for t in trees]
+    return torch.cat(rows)
+
+
+def _node_uniforms(
+    trees: list[DraftTree], flat: FlatTrees, generators: list[torch.Generator | None],
+    requests: list[int], device: torch.device,
+) -> Tensor:  # [G] uniform [0, 1), one per node (roots unused)
+    uniform = torch.rand(flat.tokens.shape[0], device=device)  # unseeded rows, in one call
+    for b, gen in zip(requests, generators):
+        k = trees[b].num_drafts
+        if gen is not None and k > 0:
+            # Exactly one draw per draft node whatever the path: a seeded stream ignores
+            # the batch and, for a chain, matches the chain sampler's k draws.
+            start = flat.starts[b] + 1
+            uniform[start : start + k] = torch.rand(k, generator=gen, device=gen.device).to(device)
+    return uniform
+
+
+def _result(tree: DraftTree, last: int, final_token: int) -> TreeResult:
+    path = tree.path_to(last)[1:]
+    return TreeResult(accepted_nodes=path, tokens=[tree.token_ids[i] for i in path] + [final_token])
+
+
+def _check_shapes(target_logits: Tensor, trees: list[DraftTree], st: SamplingTensors) -> None:
+    num_nodes = sum(t.num_nodes for t in trees)
+    if target_logits.shape[0] != num_nodes:
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows, expected {num_nodes} "
+                         f"(one per tree node)")
+    for t in trees:
+        if t.draft_probs is not None and t.draft_probs.shape[1] != target_logits.shape[1]:
+            raise ValueError(f"draft_probs vocab {t.draft_probs.shape[1]} != target vocab "
+                             f"{target_logits.shape[1]}")
+    if len(st) != len(trees):
+        raise ValueError(f"{len(st)} sampling rows for {len(trees)} requests")

@@ -1,0 +1,65 @@
+"""End-to-end on the real default model (pulled and converted once per machine)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.model_registry import DEFAULT_MODEL
+
+CHATS = [
+    "Explain in detail how a bicycle works, covering the frame, the wheels, the gears and the brakes.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+    "Rewrite this code with clearer names:\n\ndef f(a, b):\n    c = []\n    for x in a:\n"
+    "        if x in b:\n            c.append(x)\n    return c\n",
+    "Summarise this text: The city council met on Tuesday to discuss the new park. Residents asked for "
+    "more trees, a playground and better lighting. The council agreed to fund the playground this year "
+    "and to plan the lighting for next year.",
+    "List five tips for learning a new language and explain each one in a sentence.",
+    "What is photosynthesis? Answer for a ten-year-old.",
+    "Translate to French: The weather is nice today and we are going to the beach.",
+    "A shop sells apples at 3 dollars each. Tom buys 4 apples and pays with a 20 dollar bill. "
+    "How much change does he get? Think step by step.",
+]
+MAX_TOKENS = 64
+SHIPPED_DRAFT = Path(__file__).parents[2] / "drafters" / "weights" / "smollm2-135m-draft"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(DEFAULT_MODEL, max_model_len=1024)
+
+
+def chat_ids(llm: LLM, text: str) -> list[int]:
+    return llm.apply_chat_template([{"role": "user", "content": text}])
+
+
+def test_plain_greedy_matches_transformers(llm: LLM) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_dir), dtype=torch.float32)
+    prompts = [chat_ids(llm, c) for c in CHATS[:5]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    for ids, out in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == ref
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_speculation_equals_plain(llm: LLM, method: str) -> None:
+    if method == "draft_model" and not (SHIPPED_DRAFT / "config.json").is_file():
+        pytest.skip("no shipped draft model")
+    config = {"method": method, "num_speculative_tokens": 5}
+    if method == "draft_model":
+        config.update(model=str(SHIPPED_DRAFT), num_speculative_tokens=3)
+    spec = LLM(DEFAULT_MODEL, max_model_len=1024, speculative_config=config)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    prompts = [chat_ids(llm, c) for c in CHATS]
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == plain
+    metrics = spec.get_metrics()
+    assert metrics["num_accepted_tokens"] > 0
+    bm = spec.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
