@@ -278,10 +278,9 @@ def _rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         for stat in ("mean", "p50", "p90", "p99"):
             rows.append((f"{stat.capitalize() if stat == 'mean' else stat.upper()} {label} (ms)",
                          f"{summary[key][stat]:.2f}"))
-    spec = summary["spec_decode"]
-    if spec:
-        rows.append(("Draft acceptance rate", f"{spec['acceptance_rate']:.3f}"))
-        rows.append(("Mean accepted length", f"{spec['mean_accepted_length']:.3f}"))
+    spec = summary["spec_decode"]  # {} when the server drafted nothing
+    rows.append(("Draft acceptance rate", f"{spec['acceptance_rate']:.3f}" if spec else "-"))
+    rows.append(("Mean accepted length (tokens/step)", f"{spec['mean_accepted_length']:.3f}" if spec else "-"))
     return rows
 
 

@@ -20,6 +20,9 @@ class SpeculativeConfig:
     # Tree speculation: verify up to this many draft nodes per step (0: a chain of
     # num_speculative_tokens). The tree's depth is still at most num_speculative_tokens.
     num_tree_nodes: int = 0
+    # Medusa static tree: paths of top-k ranks per head, e.g. [[0], [1], [0, 0]]
+    # (None: the default tree tuned for the shipped SmolLM2 heads).
+    tree_choices: list[list[int]] | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:

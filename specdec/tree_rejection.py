@@ -168,7 +168,8 @@ def _try_child(
     draft_probs: Tensor | None,  # [G, V] or None: one-hot
     uniform: Tensor,  # [G] one uniform per node
 ) -> tuple[Tensor, Tensor]:  # accepted [S] bool, updated residual [S, V]
-    token = tokens[child].unsqueeze(1)  # [S, 1]
+    # Rows not trying may point at a root, whose token id need not be a draft vocab index.
+    token = torch.where(trying, tokens[child], 0).unsqueeze(1)  # [S, 1]
     if draft_probs is None:
         draft = torch.zeros_like(residual).scatter_(1, token, 1.0)  # [S, V] one-hot guesses
     else:
@@ -200,10 +201,17 @@ def _flat_draft_probs(trees: list[DraftTree], vocab: int, device: torch.device) 
     """[G, V] every node's draft row (one-hot for trees without probs), or None if no tree has any."""
     if all(t.draft_probs is None for t in trees):
         return None
-    rows = [t.draft_probs.float().to(device) if t.draft_probs is not None
-            else torch.nn.functional.one_hot(torch.tensor(t.token_ids, device=device), vocab).float()
+    rows = [t.draft_probs.float().to(device) if t.draft_probs is not None else _one_hot_drafts(t, vocab, device)
             for t in trees]
     return torch.cat(rows)
+
+
+def _one_hot_drafts(tree: DraftTree, vocab: int, device: torch.device) -> Tensor:
+    """[N, V] one-hot rows at the draft tokens; the root row (any token id) stays zero."""
+    rows = torch.zeros(tree.num_nodes, vocab, device=device)  # [N, V]
+    drafts = torch.tensor(tree.token_ids[1:], dtype=torch.int64, device=device).unsqueeze(1)  # [N - 1, 1]
+    rows[1:].scatter_(1, drafts, 1.0)  # in place through the view
+    return rows
 
 
 def _node_uniforms(

@@ -23,3 +23,10 @@ def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
     from tests.fixtures import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tiny-draft"), seed=1, num_layers=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_medusa_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):  # type: ignore[no-untyped-def]
+    from tests.fixtures import make_medusa_heads
+
+    return make_medusa_heads(tmp_path_factory.mktemp("tiny-medusa"), tiny_model_dir)

@@ -55,3 +55,20 @@ def make_checkpoint(path: Path, model_type: str = "llama", seed: int = 0, num_la
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(path))
     return path
+
+
+def make_medusa_heads(path: Path, model_dir: Path, num_heads: int = 3, seed: int = 0) -> Path:
+    """Random Medusa heads for a tiny checkpoint (format of drafters/weights/*-medusa)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(num_heads):
+        tensors[f"heads.{i}.weight"] = torch.randn(hidden, hidden, generator=gen) * 0.1
+        tensors[f"heads.{i}.bias"] = torch.zeros(hidden)
+    save_file(tensors, str(path / "medusa_heads.safetensors"))
+    (path / "medusa_config.json").write_text(json.dumps({"num_heads": num_heads, "hidden_size": hidden}))
+    return path

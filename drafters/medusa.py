@@ -1,0 +1,105 @@
+"""Medusa-1 heads: from the target's last hidden state, guess the next few tokens at once.
+
+Head i maps the hidden state h that produced the last committed token to
+h + SiLU(W_i h + b_i), read through the target's own LM head: a guess for the token
+i + 1 places after the last committed one. Top-1 per head gives a chain; top-k per head
+arranged by tree choices gives a static tree.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from specdec.drafters.base import Draft, Drafter, DraftRequest
+from specdec.drafters.tree import DEFAULT_CHOICES, Choice, DraftTree
+from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
+
+if TYPE_CHECKING:
+    from specdec.engine import LLMEngine
+
+SHIPPED = Path(__file__).parent / "weights"
+
+
+class MedusaHeads(torch.nn.Module):
+    def __init__(self, weights: torch.Tensor, biases: torch.Tensor, lm_head: torch.Tensor) -> None:
+        super().__init__()
+        self.weights = weights  # [heads, H, H]
+        self.biases = biases  # [heads, H]
+        self.lm_head = lm_head  # [V, H], shared with the target
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.weights.shape[0])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [heads, B, V] float32
+        residual = torch.einsum("bh,koh->kbo", hidden, self.weights) + self.biases[:, None, :]
+        states = hidden[None] + F.silu(residual)  # [heads, B, H]
+        # One LM-head matmul for every head: the weight is read from memory once.
+        return F.linear(states.reshape(-1, states.shape[-1]), self.lm_head).float().view(
+            self.num_heads, hidden.shape[0], -1)
+
+
+def load_heads(path: Path, lm_head: torch.Tensor) -> MedusaHeads:
+    config = json.loads((path / "medusa_config.json").read_text())
+    tensors = load_file(str(path / "medusa_heads.safetensors"))
+    n = config["num_heads"]
+    if config["hidden_size"] != lm_head.shape[1]:
+        raise ValueError(f"Medusa heads in {path} have hidden size {config['hidden_size']}, "
+                         f"the target has {lm_head.shape[1]}")
+    weights = torch.stack([tensors[f"heads.{i}.weight"] for i in range(n)]).to(lm_head.dtype)
+    biases = torch.stack([tensors[f"heads.{i}.bias"] for i in range(n)]).to(lm_head.dtype)
+    return MedusaHeads(weights, biases, lm_head)
+
+
+def resolve_heads_dir(name: str | None) -> Path:
+    path = Path(name) if name else SHIPPED / "smollm2-135m-medusa"
+    if not (path / "medusa_config.json").is_file() and (SHIPPED / str(name) / "medusa_config.json").is_file():
+        path = SHIPPED / str(name)
+    if not (path / "medusa_config.json").is_file():
+        raise ValueError(f"no Medusa heads at {path} (expected medusa_config.json and medusa_heads.safetensors)")
+    return path
+
+
+class MedusaDrafter(Drafter):
+    def __init__(self, heads: MedusaHeads, choices: list[Choice], top_k: int) -> None:
+        self.heads = heads
+        self.choices = choices
+        self.top_k = top_k
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> MedusaDrafter:
+        spec = engine.config.speculative_config
+        assert spec is not None
+        heads = load_heads(resolve_heads_dir(spec.model), engine.model.lm_head_weight)
+        choices = [tuple(c) for c in spec.tree_choices] if spec.tree_choices else DEFAULT_CHOICES
+        top_k = 1 + max((max(c) for c in choices if c), default=0)
+        return cls(heads, choices, top_k)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        ready = [i for i, r in enumerate(requests) if r.hidden is not None]
+        drafts = [Draft([]) for _ in requests]
+        if not ready:
+            return drafts
+        logits = self.heads(torch.stack([requests[i].hidden for i in ready]))  # type: ignore[misc]
+        for row, i in enumerate(ready):
+            drafts[i] = self._draft(requests[i], logits[:, row])
+        return drafts
+
+    def _draft(self, request: DraftRequest, logits: torch.Tensor) -> Draft:  # logits [heads, V]
+        depth = min(request.num_tokens, self.heads.num_heads)
+        logits = logits[:depth]
+        if request.max_nodes:
+            top = logits.topk(self.top_k, dim=-1).indices.tolist()  # [depth, top_k]
+            tree = DraftTree.from_choices(request.token_ids[-1], top, self.choices)
+            return Draft([], tree=tree.prune(request.max_nodes, depth))
+        if request.sampling_params.greedy:
+            return Draft(logits.argmax(-1).tolist())
+        st = SamplingTensors.from_params([request.sampling_params] * depth, [None] * depth)
+        probs = logits_to_probs(logits, st)  # [depth, V]
+        return Draft(sample_probs(probs, st.generators).tolist(), probs)

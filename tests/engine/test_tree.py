@@ -1,0 +1,52 @@
+"""Tree speculation through the engine: Medusa chains and trees are lossless."""
+from __future__ import annotations
+
+from specdec import LLM
+from tests.engine.test_generate import assert_all_blocks_free, token_ids
+from tests.engine.test_speculative import greedy, random_prompts
+
+
+def medusa(tiny_medusa_dir, **extra: object) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    return {"method": "medusa", "num_speculative_tokens": 3, "model": str(tiny_medusa_dir), **extra}
+
+
+def test_medusa_chain_and_tree_are_lossless(tiny_model_dir, tiny_medusa_dir) -> None:  # type: ignore[no-untyped-def]
+    plain = LLM(str(tiny_model_dir), max_model_len=256)
+    chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(tiny_medusa_dir))
+    tree = LLM(str(tiny_model_dir), max_model_len=256,
+               speculative_config=medusa(tiny_medusa_dir, num_tree_nodes=12,
+                                         tree_choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2, 0],
+                                                       [0, 2], [1, 1], [0, 0, 1], [0, 1, 0]]))
+    for seed in range(4):
+        prompts = random_prompts(seed, 4)
+        expected = token_ids(plain.generate(prompts, greedy()))
+        assert token_ids(chain.generate(prompts, greedy())) == expected
+        assert token_ids(tree.generate(prompts, greedy())) == expected
+    for llm in (chain, tree):
+        assert llm.get_metrics()["num_drafts"] > 0
+        assert_all_blocks_free(llm)
+
+
+def test_chain_as_tree_equals_chain(tiny_model_dir, tiny_medusa_dir) -> None:  # type: ignore[no-untyped-def]
+    chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(tiny_medusa_dir))
+    as_tree = LLM(str(tiny_model_dir), max_model_len=256,
+                  speculative_config=medusa(tiny_medusa_dir, num_tree_nodes=3, tree_choices=[[0], [0, 0], [0, 0, 0]]))
+    # Greedy here; tests/test_tree_rejection.py checks the stochastic chain equivalence.
+    prompts = random_prompts(5, 4)
+    assert token_ids(as_tree.generate(prompts, greedy())) == token_ids(chain.generate(prompts, greedy()))
+    a, b = chain.get_metrics(), as_tree.get_metrics()
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"):
+        assert a[key] == b[key]
+
+
+def test_tree_with_chunked_prefill_and_preemption(tiny_model_dir, tiny_medusa_dir) -> None:  # type: ignore[no-untyped-def]
+    plain = LLM(str(tiny_model_dir), max_model_len=128)
+    prompts = random_prompts(21, 6)
+    expected = token_ids(plain.generate(prompts, greedy()))
+    mc = plain.engine.model_config
+    block_bytes = 2 * mc.num_layers * 16 * mc.num_kv_heads * mc.head_dim * 4
+    tree = LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=32, kv_cache_memory=10 * block_bytes,
+               speculative_config=medusa(tiny_medusa_dir, num_tree_nodes=8))
+    assert token_ids(tree.generate(prompts, greedy())) == expected
+    assert tree.get_metrics()["num_preemptions"] > 0
+    assert_all_blocks_free(tree)
