@@ -71,42 +71,42 @@ EXPLAIN_TOPICS = [
 ]
 
 PASSAGES = [
-    "The town library reopened on Monday after a six-month renovation. The new building "
+    ("The town library reopened on Monday after a six-month renovation. The new building "
     "has a children's reading room, twelve public computers and a small cafe. Director "
-    "Maria Lopez said visitor numbers doubled in the first week.",
-    "Honeybees communicate the location of flowers through a 'waggle dance'. The angle of "
+    "Maria Lopez said visitor numbers doubled in the first week."),
+    ("Honeybees communicate the location of flowers through a 'waggle dance'. The angle of "
     "the dance relative to the sun shows the direction, and its length signals the "
-    "distance. A single hive can visit millions of flowers in a season.",
-    "Our quarterly sales rose 8 percent to 4.2 million dollars, driven by strong demand in "
+    "distance. A single hive can visit millions of flowers in a season."),
+    ("Our quarterly sales rose 8 percent to 4.2 million dollars, driven by strong demand in "
     "Europe. However, shipping costs increased and margins fell slightly. The company plans "
-    "to open two new warehouses next year.",
-    "The marathon began at 7 a.m. under clear skies. More than 3,000 runners took part, and "
+    "to open two new warehouses next year."),
+    ("The marathon began at 7 a.m. under clear skies. More than 3,000 runners took part, and "
     "Kenji Tanaka won in 2 hours 14 minutes. Volunteers handed out 20,000 cups of water "
-    "along the route.",
-    "Regular exercise improves sleep, mood and heart health. Experts recommend at least "
+    "along the route."),
+    ("Regular exercise improves sleep, mood and heart health. Experts recommend at least "
     "150 minutes of moderate activity per week, such as brisk walking or cycling, plus "
-    "two days of strength training.",
-    "The old lighthouse on Gull Island was built in 1872 and guided ships for over a "
+    "two days of strength training."),
+    ("The old lighthouse on Gull Island was built in 1872 and guided ships for over a "
     "century. It was automated in 1965, and today it is a museum run by volunteers who "
-    "offer tours every weekend in summer.",
-    "Please remember that the team meeting has moved from Tuesday to Thursday at 3 p.m. "
+    "offer tours every weekend in summer."),
+    ("Please remember that the team meeting has moved from Tuesday to Thursday at 3 p.m. "
     "Bring your project updates and the draft budget. Contact Sam Rivera if you cannot "
-    "attend.",
-    "Rainforests cover about six percent of the Earth's land but hold more than half of its "
+    "attend."),
+    ("Rainforests cover about six percent of the Earth's land but hold more than half of its "
     "plant and animal species. Logging and farming remove large areas each year, which "
-    "threatens many species and affects the global climate.",
-    "The new phone has a larger battery, a brighter screen and two rear cameras. Reviewers "
+    "threatens many species and affects the global climate."),
+    ("The new phone has a larger battery, a brighter screen and two rear cameras. Reviewers "
     "praised the battery life but complained that the price, 899 dollars, is high for a "
-    "mid-range device.",
-    "In 1969, Apollo 11 landed on the Moon. Neil Armstrong and Buzz Aldrin spent about two "
+    "mid-range device."),
+    ("In 1969, Apollo 11 landed on the Moon. Neil Armstrong and Buzz Aldrin spent about two "
     "and a half hours outside the lander, collecting samples, while Michael Collins orbited "
-    "above in the command module.",
-    "Volunteers planted 500 trees along the river last Saturday. The project, organised by "
+    "above in the command module."),
+    ("Volunteers planted 500 trees along the river last Saturday. The project, organised by "
     "the Green Valley school, aims to reduce flooding and give shade to walkers. Another "
-    "planting day is planned for April.",
-    "Coffee plants grow best in tropical highlands with steady rain and mild temperatures. "
+    "planting day is planned for April."),
+    ("Coffee plants grow best in tropical highlands with steady rain and mild temperatures. "
     "The beans are the seeds of a red fruit called a cherry, and they are dried, roasted "
-    "and ground before brewing.",
+    "and ground before brewing."),
 ]
 PASSAGE_TASKS = [
     "Summarise the following text in one sentence.\n\n{p}",
@@ -149,17 +149,17 @@ CODE_TASKS = [
 ]
 
 MATH_TEMPLATES = [
-    "{n1} has {a} apples and buys {b} more bags with {c} apples each. How many apples "
-    "does {n1} have now?",
+    ("{n1} has {a} apples and buys {b} more bags with {c} apples each. How many apples "
+    "does {n1} have now?"),
     "A train travels at {a} km per hour for {b} hours. How far does it go?",
     "{n1} saves {a} dollars a week. How many weeks until {n1} has {t} dollars?",
     "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
-    "{n1} and {n2} share {t} stickers so that {n1} gets {a} more than {n2}. How many does "
-    "each get?",
+    ("{n1} and {n2} share {t} stickers so that {n1} gets {a} more than {n2}. How many does "
+    "each get?"),
     "A shop sells pens at {a} for {b} dollars. How much do {c} pens cost?",
     "There are {t} students and each bus holds {a}. How many buses are needed?",
-    "{n1} read {a} pages on Monday and {b} pages on each of the next {c} days. How many "
-    "pages did {n1} read in total?",
+    ("{n1} read {a} pages on Monday and {b} pages on each of the next {c} days. How many "
+    "pages did {n1} read in total?"),
 ]
 NAMES = ["Ava", "Liam", "Noah", "Mia", "Omar", "Priya", "Lucas", "Zoe", "Ethan", "Sofia"]
 

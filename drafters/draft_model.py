@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from specdec.block_manager import BlockManager
 from specdec.drafters.base import Draft, Drafter, DraftRequest
+from specdec.drafters.tree import Candidate, DraftTree, expand_layer
 from specdec.model_registry import resolve_model
 from specdec.model_runner import KVCache, ModelRunner
 from specdec.models import LlamaForCausalLM, load_model
@@ -54,6 +55,8 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         shadows = [self._sync(r) for r in requests]
+        if requests[0].max_nodes:
+            return self._propose_trees(requests, shadows)
         st = SamplingTensors.from_params([r.sampling_params for r in requests],
                                          [s.generator for s in shadows])
         tokens: list[list[int]] = [[] for _ in requests]
@@ -87,13 +90,61 @@ class DraftModelDrafter(Drafter):
             if step_probs is not None:
                 probs[i].append(step_probs[i])
 
-    def _make_room(self, requests: list[DraftRequest], shadows: list[Request]) -> list[int]:
+    def _propose_trees(self, requests: list[DraftRequest], shadows: list[Request]) -> list[Draft]:
+        """EAGLE-2 style dynamic trees: expand the best few nodes of each level, keep the
+        max_nodes candidates of highest cumulative draft log-probability.
+
+        Each level re-runs the expanded nodes so far as one tree query (root included),
+        so a node attends to the committed prefix and its own ancestors only. The tree's
+        KV is dropped afterwards: the next catch-up recomputes what the target accepted.
+        """
+        active = self._make_room(requests, shadows, extra=lambda r: 1 + _WIDTH * r.num_tokens)
+        expansions = {i: _Expansion(shadows[i].all_token_ids[-1]) for i in active}
+        logits = self._catch_up([shadows[i] for i in active])  # [A, V]
+        for i, row in zip(active, logits):
+            expansions[i].grow([0], row[None])
+        for depth in range(2, 1 + max((requests[i].num_tokens for i in active), default=0)):
+            growing = [i for i in active if requests[i].num_tokens >= depth]
+            if not growing:
+                break
+            self._expand_level([shadows[i] for i in growing], [expansions[i] for i in growing])
+        drafts = [Draft([]) for _ in requests]
+        for i in active:
+            drafts[i] = Draft([], tree=expansions[i].tree(requests[i].max_nodes))
+            shadows[i].num_computed_tokens = shadows[i].num_tokens
+            self.block_manager.truncate(shadows[i], shadows[i].num_tokens)
+        return drafts
+
+    def _catch_up(self, shadows: list[Request]) -> torch.Tensor:  # -> [B, V] logits after the last token
+        batch = [ScheduledRequest(s, s.num_tokens - s.num_computed_tokens) for s in shadows]
+        for item in batch:
+            self.block_manager.allocate(item.request, item.num_new_tokens)
+        logits = self.runner.execute(batch).logits
+        for item in batch:
+            item.request.num_computed_tokens += item.num_new_tokens
+        return logits
+
+    def _expand_level(self, shadows: list[Request], expansions: list[_Expansion]) -> None:
+        batch = []
+        for shadow, expansion in zip(shadows, expansions):
+            shadow.num_computed_tokens = shadow.num_tokens - 1  # the root joins the tree query
+            batch.append(ScheduledRequest(shadow, 1, tree=expansion.query_tree()))
+            self.block_manager.allocate(shadow, batch[-1].num_query_tokens)
+        output = self.runner.execute(batch)
+        start = 0
+        for item, expansion in zip(batch, expansions):
+            rows = output.logits[start : start + item.num_query_tokens]
+            expansion.grow(expansion.frontier, rows[expansion.frontier_rows()])
+            start += item.num_query_tokens
+
+    def _make_room(self, requests: list[DraftRequest], shadows: list[Request],
+                   extra: Callable[[DraftRequest], int] = lambda r: r.num_tokens) -> list[int]:
         """Indices of requests whose drafts fit in the draft KV pool this step.
 
         Shadows of requests not in this batch (preempted or waiting in the target) are
         evicted first; they are rebuilt from their tokens when they come back.
         """
-        needed = [self.block_manager.blocks_needed(s.num_tokens + r.num_tokens) - len(s.block_table)
+        needed = [self.block_manager.blocks_needed(s.num_tokens + extra(r)) - len(s.block_table)
                   for r, s in zip(requests, shadows)]
         if sum(needed) > self.block_manager.num_free_blocks:
             in_batch = {r.request_id for r in requests}
@@ -125,6 +176,43 @@ class DraftModelDrafter(Drafter):
         self.num_committed.pop(request_id, None)
         if shadow is not None:
             self.block_manager.free(shadow)
+
+
+_WIDTH = 4  # nodes expanded per level (EAGLE-2's top-k)
+_BRANCH = 4  # children considered per expanded node
+
+
+class _Expansion:
+    """One request's growing candidate set: (parent id, token, cumulative log-prob)."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.candidates: list[Candidate] = []
+        self.expanded: list[int] = []  # candidate ids run through the draft so far (0 = root)
+        self.frontier: list[int] = []
+
+    def grow(self, parents: list[int], logits: torch.Tensor) -> None:  # logits [P, V]
+        top = torch.log_softmax(logits.float(), dim=-1).topk(_BRANCH, dim=-1)
+        scores = [0.0 if p == 0 else self.candidates[p - 1][2] for p in parents]
+        first_new = len(self.candidates) + 1
+        self.candidates += expand_layer(parents, scores, top.indices, top.values)
+        self.expanded += [p for p in parents if p not in self.expanded]
+        new = range(first_new, len(self.candidates) + 1)
+        self.frontier = sorted(new, key=lambda c: -self.candidates[c - 1][2])[:_WIDTH]
+
+    def query_tree(self) -> DraftTree:
+        """The root, every expanded node and the frontier, as one tree (frontier last)."""
+        ids = sorted(set(self.expanded) | set(self.frontier))
+        self._order = {c: n for n, c in enumerate(ids)}
+        tokens = [self.root if c == 0 else self.candidates[c - 1][1] for c in ids]
+        parents = [-1 if c == 0 else self._order[self.candidates[c - 1][0]] for c in ids]
+        return DraftTree(tokens, parents)
+
+    def frontier_rows(self) -> list[int]:
+        return [self._order[c] for c in self.frontier]
+
+    def tree(self, max_drafts: int) -> DraftTree:
+        return DraftTree.from_expansion(self.root, self.candidates, max_drafts)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

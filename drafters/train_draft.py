@@ -23,9 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-
 from specdec.drafters import distill_data as dd
+
 from specdec.model_registry import resolve_model
 
 # ---------------------------------------------------------------------------------------

@@ -23,10 +23,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from specdec.drafters import distill_data as dd
-from specdec.drafters.train_draft import (chain_stats, lr_at, sampled_log_probs,
-                                          setup_threads, soft_cross_entropy)
+from specdec.drafters.train_draft import (
+    chain_stats,
+    lr_at,
+    sampled_log_probs,
+    setup_threads,
+    soft_cross_entropy,
+)
+
 from specdec.model_registry import resolve_model
 
 

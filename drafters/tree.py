@@ -75,15 +75,16 @@ class DraftTree:
         if n == 0 or len(self.parents) != n or self.parents[0] != -1:
             raise ValueError(f"need parents[0] == -1 and one parent per token, got {self.parents} "
                              f"for {n} tokens")
-        if any(not 0 <= p < i for i, p in enumerate(self.parents) if i > 0):
-            raise ValueError(f"parents must satisfy 0 <= parents[i] < i (topological order): {self.parents}")
         if self.draft_probs is not None and (self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != n):
             raise ValueError(f"draft_probs shape {tuple(self.draft_probs.shape)}, expected ({n}, V)")
-        self.depths = [0] * n
-        self._children = [[] for _ in range(n)]
-        for i in range(1, n):
-            self.depths[i] = self.depths[self.parents[i]] + 1
-            self._children[self.parents[i]].append(i)
+        depths: list[int] = [0] * n
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"parents must satisfy 0 <= parents[i] < i (topological order): {self.parents}")
+            depths[i] = depths[p] + 1
+            children[p].append(i)
+        self.depths, self._children = depths, children
 
     # ---- views -------------------------------------------------------------------
 

@@ -40,14 +40,18 @@ BUILTIN_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Explain speculative decoding to a high-school student in three sentences.",
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "Rewrite this function with type hints and a docstring, keeping the body unchanged:\n\n"
-    "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
-    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
-    "            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n"
-    "    return out\n",
-    "Summarise in two sentences: The Rhine is a river that begins in the Swiss Alps, forms part of the "
-    "Swiss-Austrian, Swiss-Liechtenstein, Swiss-German and Franco-German borders, then flows through the "
-    "Rhineland and the Netherlands before emptying into the North Sea.",
+    (
+        "Rewrite this function with type hints and a docstring, keeping the body unchanged:\n\n"
+        "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+        "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
+        "            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n"
+        "    return out\n"
+    ),
+    (
+        "Summarise in two sentences: The Rhine is a river that begins in the Swiss Alps, forms part of the "
+        "Swiss-Austrian, Swiss-Liechtenstein, Swiss-German and Franco-German borders, then flows through the "
+        "Rhineland and the Netherlands before emptying into the North Sea."
+    ),
     "List five fruits that are red, one per line.",
     "Translate to French: 'The weather is nice today, so we are going to the park.'",
     "Convert this list to JSON with keys name and age: Alice 31, Bob 27, Carol 45, Dave 38.",

@@ -20,7 +20,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TypeVar
@@ -30,10 +30,6 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from specdec.outputs import CompletionOutput, RequestOutput
-from specdec.sampling_params import SamplingParams
 from specdec.server.async_engine import AsyncEngine, EngineDeadError, EngineShuttingDownError, RequestStream
 from specdec.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from specdec.server.protocol import (
@@ -43,6 +39,10 @@ from specdec.server.protocol import (
     TokenizeRequest,
     format_validation_error,
 )
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec.outputs import CompletionOutput, RequestOutput
+from specdec.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 Body = TypeVar("Body", bound=BaseModel)
@@ -278,7 +278,7 @@ async def _start(state: ServerState, job: _Job, prompts: list[str | list[int]], 
         raise
 
 
-async def _merge(job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(job: _Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(prompt index, merged cumulative output) as each prompt's request makes progress."""
     pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(job.streams)}
     try:

@@ -264,7 +264,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException as exc:  # noqa: BLE001 - the loop must report any death
+        except BaseException as exc:
             logger.exception("the engine loop died")
             self._error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -319,7 +319,7 @@ class AsyncEngine:
                 self.engine.add_request(child_id, command.prompt, _child_params(command.params, index),
                                         command.use_speculation)
                 self._register(group, index, child_id)
-        except Exception as exc:  # a bad prompt: undo the children already added
+        except Exception as exc:  # noqa: BLE001 - a bad prompt: undo the children already added
             self._abort(group.request_id, deliver=False)
             _settle(command.future, exc)
             return
@@ -344,7 +344,7 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - fail the in-flight requests, keep serving
+        except Exception as exc:
             logger.exception("engine step failed; failing the in-flight requests")
             self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
             return
@@ -368,7 +368,7 @@ class AsyncEngine:
         for child_id in list(self._children):
             try:
                 base = self.engine.abort_request(child_id)
-            except Exception:  # noqa: BLE001 - keep failing the others
+            except Exception:
                 logger.exception("could not abort %s", child_id)
                 base = None
             self._dispatch(_error_output(child_id, base, message))

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from specdec.sampling_params import MAX_N, MAX_STOP_STRINGS, SamplingParams
 
@@ -176,7 +177,7 @@ def check_content(value: Any) -> Any:
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise ValueError("content must be a string or a list of content parts")
+        raise ValueError("content must be a string or a list of content parts")  # noqa: TRY004 - pydantic wants ValueError
     for part in value:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise ValueError('only text content parts are supported: {"type": "text", "text": "..."}')
@@ -258,7 +259,7 @@ def _location(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _message(error: dict[str, Any]) -> str:
+def _message(error: ErrorDetails) -> str:
     msg = str(error.get("msg", "invalid value"))
     for prefix in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(prefix)

@@ -29,6 +29,7 @@ Shapes: B requests, G = sum(N_i) flat node rows, C = max children of a node, V v
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 from torch import Tensor
@@ -49,6 +50,7 @@ class FlatTrees:
     """A batch of trees laid out on the flat target rows (one row per node)."""
 
     starts: list[int]  # [B] first flat row of each tree (its root)
+    sizes: list[int]  # [B] nodes per tree
     tokens: Tensor  # [G] int64 node tokens
     parent: Tensor  # [G] int64 flat row of the parent; -1 at roots
     request: Tensor  # [G] int64 owning request
@@ -60,31 +62,38 @@ class FlatTrees:
 
     @classmethod
     def build(cls, trees: list[DraftTree], device: torch.device) -> FlatTrees:
-        starts, tokens, parent, request, slot, first = [], [], [], [], [], []
-        offset = 0
-        for b, tree in enumerate(trees):
-            starts.append(offset)
-            seen: set[tuple[int, int]] = set()
-            num_children = [0] * tree.num_nodes
-            for i, (tok, p) in enumerate(zip(tree.token_ids, tree.parents)):
-                tokens.append(tok)
-                parent.append(p + offset if p >= 0 else -1)
-                request.append(b)
-                slot.append(num_children[p] if p >= 0 else -1)  # rank among its siblings
-                first.append((p, tok) not in seen)
-                seen.add((p, tok))
-                if p >= 0:
-                    num_children[p] += 1
-            offset += tree.num_nodes
+        # Flat lists then tensor ops: a Python loop per node would dominate big batches.
+        sizes = [t.num_nodes for t in trees]
         as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-        parent_t, slot_t = as_long(parent), as_long(slot)  # [G] each
-        width = max(int(slot_t.max()) + 1, 1) if slot else 1
-        children = torch.full((offset, width), -1, dtype=torch.int64, device=device)  # [G, C]
-        is_child = parent_t >= 0  # [G]
-        children[parent_t[is_child], slot_t[is_child]] = torch.nonzero(is_child).squeeze(1)
-        return cls(starts=starts, tokens=as_long(tokens), parent=parent_t, request=as_long(request),
-                   children=children, first_of_token=torch.tensor(first, dtype=torch.bool, device=device),
+        starts = torch.cumsum(as_long([0] + sizes[:-1]), 0) if trees else as_long([])  # [B]
+        request = torch.repeat_interleave(torch.arange(len(trees), device=device), as_long(sizes))  # [G]
+        tokens = as_long(list(chain.from_iterable(t.token_ids for t in trees)))  # [G]
+        local_parent = as_long(list(chain.from_iterable(t.parents for t in trees)))  # [G]
+        is_child = local_parent >= 0  # [G]
+        parent = torch.where(is_child, local_parent + starts[request], -1)  # [G]
+        slot = _rank_among_equal(parent)  # [G] rank among its siblings
+        # parent * (max token + 1) + token identifies (parent, token) pairs; roots are not children.
+        token_key = parent * (int(tokens.max()) + 1 if trees else 1) + tokens  # [G]
+        first_of_token = (_rank_among_equal(token_key) == 0) & is_child  # [G]
+        width = int(slot[is_child].max()) + 1 if bool(is_child.any()) else 1
+        children = torch.full((len(tokens), width), -1, dtype=torch.int64, device=device)  # [G, C]
+        children[parent[is_child], slot[is_child]] = torch.nonzero(is_child).squeeze(1)
+        return cls(starts=starts.tolist(), sizes=sizes, tokens=tokens, parent=parent, request=request,
+                   children=children, first_of_token=first_of_token,
                    max_depth=max((t.max_depth for t in trees), default=0))
+
+
+def _rank_among_equal(keys: Tensor) -> Tensor:
+    """[G] -> [G] int64: how many earlier entries carry the same key."""
+    order = torch.argsort(keys, stable=True)  # [G]; equal keys keep index order
+    sorted_keys = keys[order]  # [G]
+    pos = torch.arange(len(keys), device=keys.device)  # [G]
+    new_group = torch.ones_like(sorted_keys, dtype=torch.bool)  # [G]
+    new_group[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    group_start = torch.cummax(torch.where(new_group, pos, 0), 0).values  # [G]
+    rank = torch.empty_like(pos)  # [G]
+    rank[order] = pos - group_start
+    return rank
 
 
 def tree_verify(
@@ -113,7 +122,7 @@ def _greedy(target_logits: Tensor, flat: FlatTrees) -> tuple[Tensor, Tensor]:
     target_argmax = target_logits.argmax(dim=-1)  # [G]
     is_root = flat.parent < 0  # [G]
     parent = flat.parent.clamp(min=0)  # [G]; roots point at row 0, masked by is_root
-    match = (flat.tokens == target_argmax[parent]) & flat.first_of_token & ~is_root  # [G]
+    match = (flat.tokens == target_argmax[parent]) & flat.first_of_token  # [G], False at roots
     on_path = match | is_root  # [G]
     for _ in range(flat.max_depth):
         # After d rounds every node of depth <= d knows whether its whole path matches.
@@ -133,7 +142,7 @@ def _stochastic(
     requests: list[int],  # S stochastic request indices
 ) -> tuple[Tensor, Tensor]:  # last accepted flat row [S], final token [S]
     sub = st.select(requests)
-    target_probs = _target_probs(target_logits, trees, flat, sub, requests)  # [G, V], S trees filled
+    target_probs = _target_probs(target_logits, flat, sub, requests)  # [G, V], S trees filled
     draft_probs = _flat_draft_probs(trees, target_logits.shape[1], target_logits.device)  # [G, V] or None
     uniform = _node_uniforms(trees, flat, sub.generators, requests, target_logits.device)  # [G]
     node = torch.tensor([flat.starts[b] for b in requests], dtype=torch.int64,
@@ -184,16 +193,15 @@ def _try_child(
 
 def _target_probs(
     target_logits: Tensor,  # [G, V]
-    trees: list[DraftTree],
     flat: FlatTrees,
     sub: SamplingTensors,  # [S]
-    requests: list[int],  # [S]
+    requests: list[int],  # [S], ascending
 ) -> Tensor:  # [G, V]; only the S requests' rows are written
-    counts = [trees[b].num_nodes for b in requests]
-    rows = torch.tensor([r for b in requests for r in range(flat.starts[b], flat.starts[b] + trees[b].num_nodes)],
-                        dtype=torch.int64, device=target_logits.device)  # [sum(counts)]
+    wanted = torch.zeros(len(flat.sizes), dtype=torch.bool, device=target_logits.device)  # [B]
+    wanted[requests] = True
+    rows = torch.nonzero(wanted[flat.request]).squeeze(1)  # [sum(counts)], request by request
     out = torch.empty(target_logits.shape, dtype=torch.float32, device=target_logits.device)
-    out[rows] = logits_to_probs(target_logits[rows], sub.repeat(counts))
+    out[rows] = logits_to_probs(target_logits[rows], sub.repeat([flat.sizes[b] for b in requests]))
     return out
 
 

@@ -50,3 +50,17 @@ def test_tree_with_chunked_prefill_and_preemption(tiny_model_dir, tiny_medusa_di
     assert token_ids(tree.generate(prompts, greedy())) == expected
     assert tree.get_metrics()["num_preemptions"] > 0
     assert_all_blocks_free(tree)
+
+
+def test_draft_model_tree_is_lossless(tiny_model_dir, tiny_draft_dir) -> None:  # type: ignore[no-untyped-def]
+    plain = LLM(str(tiny_model_dir), max_model_len=256)
+    tree = LLM(str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=64,
+               speculative_config={"method": "draft_model", "model": str(tiny_draft_dir),
+                                   "num_speculative_tokens": 3, "num_tree_nodes": 10})
+    for seed in range(3):
+        prompts = random_prompts(seed + 30, 4)
+        assert token_ids(tree.generate(prompts, greedy())) == token_ids(plain.generate(prompts, greedy()))
+    assert tree.get_metrics()["num_drafts"] > 0
+    assert_all_blocks_free(tree)
+    bm = tree.engine.drafter.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # the drafter's own pool is clean too

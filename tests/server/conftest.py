@@ -47,9 +47,10 @@ class RunningServer:
 
 
 def start_server(model_dir: Path, name: str, api_key: str | None, **engine_args: Any) -> RunningServer:
-    from specdec.llm import LLM
     from specdec.server.app import build_app
     from specdec.server.async_engine import AsyncEngine
+
+    from specdec.llm import LLM
 
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 slots, 2 kv heads, head_dim 16, fp32
     llm = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=NUM_BLOCKS * block_bytes, **engine_args)

@@ -9,11 +9,11 @@ from typing import Any
 
 import httpx
 import pytest
+from specdec.server.app import build_app
+from specdec.server.async_engine import AsyncEngine, EngineShuttingDownError
 
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.sampling_params import SamplingParams
-from specdec.server.app import build_app
-from specdec.server.async_engine import AsyncEngine, EngineShuttingDownError
 from tests.server.conftest import wait_until
 
 
@@ -41,7 +41,7 @@ class FakeEngine:
         self.requests[request_id] = (ids, params, [])
 
     def _output(self, request_id: str, reason: str | None) -> RequestOutput:
-        ids, params, out = self.requests[request_id]
+        ids, _, out = self.requests[request_id]
         text = "".join(chr(ord("a") + t % 26) for t in out)
         completion = CompletionOutput(0, text, list(out), reason)
         return RequestOutput(request_id, None, ids, [completion], reason is not None)

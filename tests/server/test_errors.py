@@ -13,7 +13,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 def assert_error(response: httpx.Response, status: int, *needles: str) -> dict[str, Any]:
     assert response.status_code == status, response.text
-    body = response.json()
+    body: dict[str, Any] = response.json()
     assert set(body) == {"error"}
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}

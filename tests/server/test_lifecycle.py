@@ -18,7 +18,8 @@ import pytest
 
 from tests.server.conftest import RunningServer, all_blocks_free, sse_events, wait_until
 
-LONG = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 100, "ignore_eos": True,
+MAX_TOKENS = 100
+LONG: dict[str, Any] = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": MAX_TOKENS, "ignore_eos": True,
         "temperature": 0.0, "speculative": False}
 METRIC_NAMES = [
     "specdec:time_to_first_token_seconds", "specdec:inter_token_latency_seconds",
@@ -50,20 +51,19 @@ def generated(server: RunningServer) -> int:
 def assert_aborted_promptly(server: RunningServer, before: int) -> None:
     assert wait_until(lambda: all_blocks_free(server), timeout=5.0), "KV blocks still in use after disconnect"
     assert wait_until(lambda: not server.engine.has_unfinished_requests(), timeout=2.0)
-    assert generated(server) - before < LONG["max_tokens"]  # stopped early, did not run to the end
+    assert generated(server) - before < MAX_TOKENS  # stopped early, did not run to the end
 
 
 def test_stream_disconnect_frees_kv_blocks(slow_engine: RunningServer) -> None:
     server = slow_engine
     assert wait_until(lambda: all_blocks_free(server))
     before = generated(server)
-    with server.client() as client:
-        with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
-            assert response.status_code == 200
-            first = next(line for line in response.iter_lines() if line)
-            assert json.loads(first[len("data: "):])["choices"][0]["text"] is not None
-            assert not all_blocks_free(server)
-        # leaving the block closes the connection mid-stream
+    with server.client() as client, client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
+        assert response.status_code == 200
+        first = next(line for line in response.iter_lines() if line)
+        assert json.loads(first[len("data: "):])["choices"][0]["text"] is not None
+        assert not all_blocks_free(server)
+    # leaving the block closed the connection mid-stream
     assert_aborted_promptly(server, before)
 
 
@@ -72,20 +72,18 @@ def test_chat_stream_disconnect_frees_kv_blocks(slow_engine: RunningServer) -> N
     before = generated(server)
     chat = {**LONG, "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2}
     chat.pop("prompt")
-    with server.client() as client:
-        with client.stream("POST", "/v1/chat/completions", json=chat) as response:
-            lines = (line for line in response.iter_lines() if line)
-            for _ in range(4):  # two role chunks, then content
-                next(lines)
+    with server.client() as client, client.stream("POST", "/v1/chat/completions", json=chat) as response:
+        lines = (line for line in response.iter_lines() if line)
+        for _ in range(4):  # two role chunks, then content
+            next(lines)
     assert_aborted_promptly(server, before)
 
 
 def test_non_streaming_disconnect_frees_kv_blocks(slow_engine: RunningServer) -> None:
     server = slow_engine
     before = generated(server)
-    with server.client(timeout=httpx.Timeout(0.3)) as client:
-        with pytest.raises(httpx.ReadTimeout):
-            client.post("/v1/completions", json=LONG)
+    with server.client(timeout=httpx.Timeout(0.3)) as client, pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/completions", json=LONG)
     assert_aborted_promptly(server, before)
 
 

@@ -3,7 +3,7 @@ logprobs, echo, chat, per-request speculation (httpx and the official openai cli
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import openai
@@ -21,7 +21,8 @@ def complete(client: httpx.Client, **body: Any) -> dict[str, Any]:
     body = {"model": "tiny", **body}
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
-    return response.json()
+    body: dict[str, Any] = response.json()
+    return body
 
 
 def stream(client: httpx.Client, path: str, **body: Any) -> list[dict[str, Any]]:
@@ -203,9 +204,9 @@ def test_openai_client(server: RunningServer) -> None:
                                     extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in pieces if c.choices) == completion.choices[0].text
     assert completion.usage is not None and completion.usage.completion_tokens == 12
-    chat = oai.chat.completions.create(model="tiny", messages=CHAT, temperature=0, max_tokens=12,  # type: ignore[arg-type]
+    chat = oai.chat.completions.create(model="tiny", messages=cast(Any, CHAT), temperature=0, max_tokens=12,
                                        extra_body={"ignore_eos": True, "speculative": False})
-    events = oai.chat.completions.create(model="tiny", messages=CHAT, temperature=0, max_tokens=12,  # type: ignore[arg-type]
+    events = oai.chat.completions.create(model="tiny", messages=cast(Any, CHAT), temperature=0, max_tokens=12,
                                          stream=True, stream_options={"include_usage": True},
                                          extra_body={"ignore_eos": True})
     chunks = list(events)
