@@ -19,6 +19,7 @@ from specdec.drafters.tree import Candidate, DraftTree, expand_layer
 from specdec.model_registry import resolve_model
 from specdec.model_runner import KVCache, ModelRunner
 from specdec.models import LlamaForCausalLM, load_model
+from specdec.models.linear import apply_linear_backend
 from specdec.request import Request
 from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
 from specdec.scheduler import ScheduledRequest
@@ -44,6 +45,7 @@ class DraftModelDrafter(Drafter):
                            fallback_weights=engine.model.hf_embedding_weights(),
                            max_positions=engine.max_model_len + 32)
         check_compatible(engine, model, draft_dir)
+        apply_linear_backend(model, engine.config.linear_backend)
         mc = model.config
         # As many blocks as the target, plus lookahead room for every running request.
         num_blocks = engine.block_manager.num_blocks + engine.config.max_num_seqs

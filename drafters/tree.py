@@ -38,8 +38,9 @@ MEDUSA_MC_SIM_7B_63: list[Choice] = [
 # Estimated P(the rank-r token of head d is right | the path above it was accepted) for
 # the shipped 4-head SmolLM2-135M Medusa heads (weights/smollm2-135m-medusa/accuracy.json).
 # Rank 0: conditional top-1 from the measured chain acceptance (0.38, then .174/.38,
-# .085/.174, .05/.085). Ranks 1-4: the measured top5 - top1 mass of each head, split
-# geometrically (ratio 0.6) since only top-1 and top-5 were measured.
+# .085/.174, .05/.085). Ranks 1-4: the measured top5 - top1 mass of each head (not
+# conditional, so on the low side), split geometrically (ratio 0.6): only top-1 and
+# top-5 were measured.
 SMOLLM2_MEDUSA_RANK_ACCURACY: list[list[float]] = [
     [0.380, 0.109, 0.066, 0.039, 0.024],
     [0.458, 0.091, 0.055, 0.033, 0.020],
@@ -63,9 +64,11 @@ class DraftTree:
 
     token_ids: list[int]  # [N] node tokens; token_ids[0] is the root (last committed token)
     parents: list[int]  # [N] parent node index; parents[0] == -1, else 0 <= parents[i] < i
-    # [N, V] row i = the draft distribution node i's token was drawn from (so siblings
-    # drawn i.i.d. share one row's values); row 0 (root) is unused. None: every node is
-    # a deterministic guess (top-k, n-gram), verified as one-hot.
+    # [N, V] row i = the distribution node i's token was SAMPLED from (siblings drawn
+    # i.i.d. share one row's values); row 0 (root) is unused. None: every node is a
+    # deterministic guess given the context (top-k picks, n-gram), verified as one-hot.
+    # Top-k picks must use None: they are not draws from the draft distribution, and
+    # verifying them against it would bias the output.
     draft_probs: Tensor | None = None
     depths: list[int] = field(init=False)  # [N] root = 0
     _children: list[list[int]] = field(init=False, repr=False)
@@ -177,7 +180,9 @@ class DraftTree:
         root: int,
         candidates: Sequence[Candidate],  # candidate k has id k + 1; its parent id is < k + 1
         max_drafts: int,
-        draft_probs: Tensor | None = None,  # [len(candidates), V] or None (one-hot guesses)
+        # [len(candidates), V] only if candidates were sampled i.i.d. from these rows; None
+        # for top-k picks (EAGLE-2's default), which are verified exactly as one-hot guesses.
+        draft_probs: Tensor | None = None,
     ) -> DraftTree:
         """An EAGLE-2 dynamic tree: the max_drafts candidates of highest cumulative draft
         log-prob whose ancestors are all kept, in best-first order.

@@ -28,8 +28,13 @@ PRESETS: dict[str, dict[str, Any] | None] = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "ngram-k3": {"method": "ngram", "num_speculative_tokens": 3},
-    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(DRAFT_DIR)},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 4, "model": str(DRAFT_DIR)},
+    "draft-tree": {"method": "draft_model", "num_speculative_tokens": 4, "num_tree_nodes": 16, "model": str(DRAFT_DIR)},
+    "draft-k6": {"method": "draft_model", "num_speculative_tokens": 6, "model": str(DRAFT_DIR)},
+    "draft-tree6": {"method": "draft_model", "num_speculative_tokens": 4, "num_tree_nodes": 6, "model": str(DRAFT_DIR)},
     "medusa": {"method": "medusa", "num_speculative_tokens": 4, "model": str(MEDUSA_DIR)},
+    "medusa-tree": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 24, "model": str(MEDUSA_DIR)},
+    "medusa-tree4": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 4, "model": str(MEDUSA_DIR)},
 }
 
 

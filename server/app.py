@@ -262,6 +262,7 @@ class _Job:
 async def _start(state: ServerState, job: _Job, prompts: list[str | list[int]], params: SamplingParams,
                  speculative: bool, param: str) -> None:
     state.check_ready()
+    index = 0
     try:
         for index, prompt in enumerate(prompts):
             request_id = job.request_id if len(prompts) == 1 else f"{job.request_id}-p{index}"
@@ -269,7 +270,8 @@ async def _start(state: ServerState, job: _Job, prompts: list[str | list[int]], 
             job.streams.append(await state.engine.generate(request_id, prompt, params, speculative))
     except ValueError as exc:
         job.abort()
-        raise APIError(400, str(exc), param=param) from None
+        where = f"{param}[{index}]: " if len(prompts) > 1 else ""
+        raise APIError(400, f"{where}{exc}", param=param) from None
     except (EngineDeadError, EngineShuttingDownError) as exc:
         job.abort()
         raise _unavailable(str(exc)) from None

@@ -47,21 +47,30 @@ class EngineLike(Protocol):
 
 
 class _Group:
-    """One API request: its child ids, and the asyncio queue its outputs go to."""
+    """One API request: its child ids, and the latest output of each child.
+
+    Outputs are cumulative, so only the newest one per child is kept: a slow reader
+    skips intermediate states instead of piling them up (memory stays O(1) per child).
+    """
 
     def __init__(self, request_id: str, n: int, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         self.loop = loop
-        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-        self.unfinished: set[str] = set()  # touched by the engine thread only
+        self.latest: list[RequestOutput | None] = [None] * n  # event loop side
+        self.updated = asyncio.Event()
+        self.unfinished: set[str] = set()  # engine thread side
 
     def deliver(self, index: int, output: RequestOutput) -> None:
         """Engine thread: hand one child's output to the event loop."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, output))
+            self.loop.call_soon_threadsafe(self._store, index, output)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    def _store(self, index: int, output: RequestOutput) -> None:
+        self.latest[index] = output
+        self.updated.set()
 
 
 @dataclass
@@ -128,7 +137,6 @@ class RequestStream:
     def __init__(self, engine: AsyncEngine, group: _Group, params: SamplingParams) -> None:
         self._engine = engine
         self._group = group
-        self._latest: list[RequestOutput | None] = [None] * len(group.child_ids)
         self._with_logprobs = params.logprobs is not None
         self.finished = False
         self._aborted = False
@@ -143,9 +151,8 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        self._take(await self._group.queue.get())
-        while not self._group.queue.empty():  # several steps may be waiting: coalesce them
-            self._take(self._group.queue.get_nowait())
+        await self._group.updated.wait()  # several steps may have landed: they coalesce
+        self._group.updated.clear()
         merged = self._merged()
         self.finished = merged.finished
         return merged
@@ -156,12 +163,8 @@ class RequestStream:
             self._aborted = True
             self._engine.abort_nowait(self.request_id)
 
-    def _take(self, item: tuple[int, RequestOutput]) -> None:
-        index, output = item
-        self._latest[index] = output
-
     def _merged(self) -> RequestOutput:
-        outs = self._latest
+        outs = self._group.latest
         first = next(o for o in outs if o is not None)
         completions = [self._completion(i, o) for i, o in enumerate(outs)]
         return RequestOutput(

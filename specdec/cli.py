@@ -22,6 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--linear-backend", default="fp32",
+                        help="packed CPU matmuls for the projections and LM head: fp32 | fp16 | int8 | bf16 "
+                             "| onednn-fp32 | onednn-bf16 (see evals/bench_kernels.py)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -30,7 +33,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         speculative_config=args.speculative_config, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-        dtype=args.dtype, seed=args.seed,
+        dtype=args.dtype, seed=args.seed, linear_backend=args.linear_backend,
     )
 
 

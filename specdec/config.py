@@ -69,6 +69,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     speculative_config: SpeculativeConfig | None = None
     dtype: torch.dtype = torch.float32
+    linear_backend: str = "fp32"  # specdec.models.linear: fp32 | fp16 | int8 | bf16 | onednn-*
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -83,3 +84,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        from specdec.models.linear import get_linear_backend
+
+        get_linear_backend(self.linear_backend)  # ValueError if unknown or unavailable
+        if self.linear_backend != "fp32" and self.dtype != torch.float32:
+            raise ValueError(f"linear_backend {self.linear_backend!r} needs dtype float32 "
+                             f"(activations stay fp32), got {self.dtype}")

@@ -14,6 +14,7 @@ from specdec.metrics import EngineMetrics
 from specdec.model_registry import read_json, resolve_model
 from specdec.model_runner import KVCache, ModelRunner
 from specdec.models import load_model
+from specdec.models.linear import apply_linear_backend
 from specdec.output_processor import commit_tokens, make_output
 from specdec.outputs import RequestOutput
 from specdec.request import Request
@@ -34,6 +35,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.device = torch.device("cpu")
         self.model = load_model(self.model_dir, dtype=config.dtype, device=self.device)
+        apply_linear_backend(self.model, config.linear_backend)
         self.model_config = self.model.config
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
@@ -139,7 +141,7 @@ class LLMEngine:
                 probs[index] = _attach_draft(item, next(drafts))
         return probs
 
-    def _postprocess(self, batch: list[ScheduledRequest], sampled: list[list[int]],
+    def _postprocess(self, batch: list[ScheduledRequest], sampled: list[Verified],
                      num_rows: list[int]) -> list[RequestOutput]:
         outputs = []
         for item, result, rows in zip(batch, sampled, num_rows):

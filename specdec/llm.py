@@ -33,6 +33,7 @@ class LLM:
         enable_prefix_caching: bool = False,
         dtype: str = "float32",
         seed: int = 0,
+        linear_backend: str = "fp32",
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
@@ -40,6 +41,7 @@ class LLM:
             model=model, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             speculative_config=SpeculativeConfig.from_dict(speculative_config), dtype=_DTYPES[dtype], seed=seed,
+            linear_backend=linear_backend,
         )
         if kv_cache_memory is not None:
             config.kv_cache_memory = kv_cache_memory

@@ -7,6 +7,7 @@ import torch
 
 from specdec.config import EngineConfig
 from specdec.kernels.metadata import AttentionMetadata
+from specdec.models import LlamaForCausalLM
 from specdec.scheduler import ScheduledRequest
 
 
@@ -36,7 +37,7 @@ class KVCache:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_cache: KVCache,
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, kv_cache: KVCache,
                  device: torch.device) -> None:
         self.model = model
         self.config = config

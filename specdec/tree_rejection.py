@@ -64,7 +64,7 @@ class FlatTrees:
     def build(cls, trees: list[DraftTree], device: torch.device) -> FlatTrees:
         # Flat lists then tensor ops: a Python loop per node would dominate big batches.
         sizes = [t.num_nodes for t in trees]
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
         starts = torch.cumsum(as_long([0] + sizes[:-1]), 0) if trees else as_long([])  # [B]
         request = torch.repeat_interleave(torch.arange(len(trees), device=device), as_long(sizes))  # [G]
         tokens = as_long(list(chain.from_iterable(t.token_ids for t in trees)))  # [G]

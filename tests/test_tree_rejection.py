@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import Tensor
 
-import specdec.tree_rejection as tree_rejection
+from specdec import tree_rejection
 from specdec.drafters.tree import DraftTree
 from specdec.rejection import rejection_sample
 from specdec.sampler import SamplingTensors

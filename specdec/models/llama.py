@@ -8,6 +8,10 @@ Written for batch-1 CPU decoding, where Python and per-op overhead rival the mat
 - cos/sin are looked up once per forward and shared by every layer; sin carries
   rotate_half's sign, making RoPE three ops (mul, roll, addcmul).
 - Residual adds happen in place on freshly produced outputs.
+- Projections and the LM head can run on a packed CPU linear backend (fp16, int8, ...,
+  see specdec/models/linear.py): `linear` is then set and each projection multiplies by
+  its `*_packed` weight; with `linear` None (fp32, the default) they call F.linear on the
+  parameters exactly as before.
 Parameters have requires_grad=False: this is an inference engine, and it keeps autograd
 out of the way even when a caller forgets torch.inference_mode().
 """
@@ -15,6 +19,7 @@ out of the way even when a caller forgets torch.inference_mode().
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +27,9 @@ from torch import Tensor, nn
 
 from specdec.kernels import AttentionMetadata, paged_attention, store_kv
 from specdec.models.config import ModelConfig, RopeConfig
+
+if TYPE_CHECKING:
+    from specdec.models.linear import LinearBackend
 
 KVCache = tuple[Tensor, Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 
@@ -99,6 +107,12 @@ class LlamaDecoderLayer(nn.Module):
     qk_norm: nn.Parameter | None
     gate_up_bias: nn.Parameter | None
     down_bias: nn.Parameter | None
+    # Set by specdec.models.linear.apply_linear_backend; None: F.linear on the parameters.
+    linear: LinearBackend | None = None
+    qkv_packed: Any = None
+    o_packed: Any = None
+    gate_up_packed: Any = None
+    down_packed: Any = None
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
@@ -156,7 +170,10 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+        if self.linear is None:
+            qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+        else:
+            qkv = self.linear.apply(x, self.qkv_packed)
         qk = qkv[:, : self.qk_width].view(num_tokens, -1, self.head_dim)  # [T, Hq + Hkv, D]
         v = qkv[:, self.qk_width :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
@@ -166,12 +183,19 @@ class LlamaDecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return F.linear(out.reshape(num_tokens, -1), self.o_proj, self.o_bias)
+        if self.linear is None:
+            return F.linear(out.reshape(num_tokens, -1), self.o_proj, self.o_bias)
+        return self.linear.apply(out.reshape(num_tokens, -1), self.o_packed)
 
     def _mlp(self, x: Tensor) -> Tensor:  # [T, hidden] -> [T, hidden]
-        gate_up = F.linear(x, self.gate_up_proj, self.gate_up_bias)  # [T, 2 I]
+        if self.linear is None:
+            gate_up = F.linear(x, self.gate_up_proj, self.gate_up_bias)  # [T, 2 I]
+        else:
+            gate_up = self.linear.apply(x, self.gate_up_packed)
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return F.linear(F.silu(gate).mul_(up), self.down_proj, self.down_bias)
+        if self.linear is None:
+            return F.linear(F.silu(gate).mul_(up), self.down_proj, self.down_bias)
+        return self.linear.apply(F.silu(gate).mul_(up), self.down_packed)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -184,6 +208,9 @@ class LlamaForCausalLM(nn.Module):
     lm_head: nn.Parameter | None  # None when tied to embed_tokens
     rope_cos: Tensor
     rope_sin: Tensor
+    # Set by specdec.models.linear.apply_linear_backend (the LM head's packed weight).
+    linear: LinearBackend | None = None
+    lm_head_packed: Any = None
 
     def __init__(
         self,
@@ -241,7 +268,9 @@ class LlamaForCausalLM(nn.Module):
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab] float32
-        return F.linear(hidden, self.lm_head_weight).float()
+        if self.linear is None:
+            return F.linear(hidden, self.lm_head_weight).float()
+        return self.linear.apply(hidden, self.lm_head_packed)
 
     def hf_embedding_weights(self) -> dict[str, Tensor]:
         """Embedding and LM head under their HF names, e.g. as `fallback_weights` for a

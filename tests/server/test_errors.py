@@ -15,7 +15,7 @@ def assert_error(response: httpx.Response, status: int, *needles: str) -> dict[s
     assert response.status_code == status, response.text
     body: dict[str, Any] = response.json()
     assert set(body) == {"error"}
-    error = body["error"]
+    error: dict[str, Any] = body["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
     for leak in ("pydantic", "Traceback", "errors.pydantic.dev", "File \""):

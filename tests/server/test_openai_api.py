@@ -21,8 +21,8 @@ def complete(client: httpx.Client, **body: Any) -> dict[str, Any]:
     body = {"model": "tiny", **body}
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
-    body: dict[str, Any] = response.json()
-    return body
+    result: dict[str, Any] = response.json()
+    return result
 
 
 def stream(client: httpx.Client, path: str, **body: Any) -> list[dict[str, Any]]:
