@@ -47,14 +47,19 @@ def test_plain_greedy_matches_transformers(llm: LLM) -> None:
         assert out.outputs[0].token_ids == ref
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_greedy_speculation_equals_plain(llm: LLM, method: str) -> None:
-    if method == "draft_model" and not (SHIPPED_DRAFT / "config.json").is_file():
-        pytest.skip("no shipped draft model")
-    config = {"method": method, "num_speculative_tokens": 5}
-    if method == "draft_model":
-        config.update(model=str(SHIPPED_DRAFT), num_speculative_tokens=3)
-    spec = LLM(DEFAULT_MODEL, max_model_len=1024, speculative_config=config)
+CONFIGS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 5},
+    "draft_model": {"method": "draft_model", "model": str(SHIPPED_DRAFT), "num_speculative_tokens": 3},
+    "draft_tree": {"method": "draft_model", "model": str(SHIPPED_DRAFT), "num_speculative_tokens": 4,
+                   "num_tree_nodes": 12},
+    "medusa": {"method": "medusa", "num_speculative_tokens": 4},
+    "medusa_tree": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 24},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_speculation_equals_plain(llm: LLM, name: str) -> None:
+    spec = LLM(DEFAULT_MODEL, max_model_len=1024, speculative_config=CONFIGS[name])
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     prompts = [chat_ids(llm, c) for c in CHATS]
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

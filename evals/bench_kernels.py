@@ -1,0 +1,309 @@
+"""The verify cost curve: what a target forward over 1 + k query tokens costs, per linear backend.
+
+Speculation pays only if verifying 1 + k tokens costs little more than decoding one. This
+measures, for one request through the engine's own paged-KV path (ModelRunner.execute:
+metadata, forward, LM head on every query row), the forward time for several query
+lengths at several context lengths, with every linear backend of
+specdec/models/linear.py. It also times each projection of the model alone
+(micro-benchmark) and checks batch invariance: whether the logits of a verify forward
+over q tokens equal, bit for bit, those of q one-token decode steps (what lossless greedy
+speculation relies on).
+
+Backends are packed once and swapped in turn on one model, so every (context, query
+length) point is measured alternately across backends and machine noise hits them alike;
+each number is the median over --repeats rounds of the mean of a few calls.
+
+    SPECDEC_HOME=/tmp/sdhome python evals/bench_kernels.py --threads 2 --json /tmp/kernels.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import markdown_table  # noqa: E402
+
+from specdec.config import EngineConfig  # noqa: E402
+from specdec.model_registry import DEFAULT_MODEL, resolve_model  # noqa: E402
+from specdec.model_runner import KVCache, ModelRunner  # noqa: E402
+from specdec.models import LlamaForCausalLM, load_model  # noqa: E402
+from specdec.models.linear import (  # noqa: E402
+    PackedWeights,
+    available_linear_backends,
+    get_linear_backend,
+    install_packed_weights,
+    pack_model,
+)
+from specdec.request import Request  # noqa: E402
+from specdec.sampling_params import SamplingParams  # noqa: E402
+from specdec.scheduler import ScheduledRequest  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--backends", default=None, type=lambda s: s.split(","),
+                        help="comma-separated; default: every backend available here")
+    parser.add_argument("--query-lens", default=[1, 2, 4, 8, 9, 16, 32], type=_ints)
+    parser.add_argument("--context-lens", default=[128, 512, 1024], type=_ints)
+    parser.add_argument("--micro-rows", default=[1, 2, 4, 8, 9, 16, 32], type=_ints)
+    parser.add_argument("--repeats", type=int, default=5, help="alternating rounds; the median is reported")
+    parser.add_argument("--min-time", type=float, default=0.05, help="seconds of calls per sample (at least 1)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-micro", action="store_true")
+    parser.add_argument("--skip-model", action="store_true")
+    parser.add_argument("--skip-invariance", action="store_true", help="and the accuracy check")
+    parser.add_argument("--json", type=Path, default=None, help="also write every number here")
+
+
+# ---- timing ------------------------------------------------------------------------------
+
+def _calls_per_sample(fn: Callable[[], Any], min_time: float) -> int:
+    fn()  # warm-up (first-call allocations, oneDNN primitive creation)
+    start = time.perf_counter()
+    fn()
+    once = time.perf_counter() - start
+    return max(1, int(min_time / max(once, 1e-6)))
+
+
+def time_alternately(fns: dict[str, Callable[[], Any]], setup: dict[str, Callable[[], None]] | None,
+                     repeats: int, min_time: float) -> dict[str, float]:
+    """Median seconds per call of each fn, measured in interleaved rounds."""
+    setup = setup or {}
+    calls = {}
+    for name, fn in fns.items():
+        setup.get(name, lambda: None)()
+        calls[name] = _calls_per_sample(fn, min_time)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            setup.get(name, lambda: None)()
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                fn()
+            samples[name].append((time.perf_counter() - start) / calls[name])
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+# ---- one request through the engine's ModelRunner ---------------------------------------
+
+class VerifyRig:
+    """A ModelRunner and a fake request whose KV cache holds `context` tokens; a step
+    runs 1 known token + (q - 1) draft tokens, as a verify step of k = q - 1 drafts does."""
+
+    def __init__(self, model: LlamaForCausalLM, max_tokens: int) -> None:
+        mc = model.config
+        self.model = model
+        num_blocks = -(-max_tokens // BLOCK_SIZE) + 1
+        config = EngineConfig(model="bench", block_size=BLOCK_SIZE, max_model_len=max_tokens)
+        kv = KVCache(mc.num_layers, num_blocks, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim,
+                     torch.float32, torch.device("cpu"))
+        for k_cache, v_cache in kv.layers:  # plausible cache contents (timings don't care)
+            k_cache.normal_()
+            v_cache.normal_()
+        self.runner = ModelRunner(model, config, kv, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(3, mc.vocab_size, (max_tokens,), generator=gen).tolist()
+        self.block_table = list(range(num_blocks))
+
+    def batch(self, context: int, num_query: int) -> list[ScheduledRequest]:
+        request = Request("bench", self.tokens[: context + 1], SamplingParams(temperature=0.0), None,
+                          1, set())
+        request.num_computed_tokens = context
+        request.block_table = self.block_table
+        drafts = self.tokens[context + 1 : context + num_query]
+        return [ScheduledRequest(request, 1, num_lookahead=len(drafts), draft_token_ids=drafts)]
+
+    def step(self, context: int, num_query: int) -> torch.Tensor:  # [num_query, V] logits
+        return self.runner.execute(self.batch(context, num_query)).logits
+
+
+def bench_model(rig: VerifyRig, packed: dict[str, PackedWeights], args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    setup = {name: (lambda p=p: install_packed_weights(rig.model, p)) for name, p in packed.items()}
+    for context in args.context_lens:
+        for q in args.query_lens:
+            fns = {name: (lambda c=context, n=q: rig.step(c, n)) for name in packed}
+            times = time_alternately(fns, setup, args.repeats, args.min_time)
+            for name, seconds in times.items():
+                results.setdefault(name, {}).setdefault(str(context), {})[str(q)] = seconds * 1e3
+            _progress(f"context {context} q {q}: " + " ".join(f"{n}={t * 1e3:.1f}ms" for n, t in times.items()))
+    return results
+
+
+def check_invariance(rig: VerifyRig, packed: dict[str, PackedWeights], context: int,
+                     num_query: int) -> dict[str, Any]:
+    """Verify-forward logits over num_query tokens vs num_query one-token decode steps."""
+    out: dict[str, Any] = {}
+    for name, p in packed.items():
+        install_packed_weights(rig.model, p)
+        decode = torch.cat([rig.step(context + i, 1) for i in range(num_query)])
+        verify = rig.step(context, num_query)
+        diff = (verify - decode).abs().max().item()
+        out[name] = {"max_abs_diff": diff, "bitwise_equal": diff == 0.0,
+                     "argmax_equal": bool((verify.argmax(-1) == decode.argmax(-1)).all())}
+    return out
+
+
+def check_accuracy(rig: VerifyRig, packed: dict[str, PackedWeights], model_dir: Path,
+                   max_tokens: int) -> dict[str, Any]:
+    """Logits of a real text prompt (prefill) per backend against fp32's."""
+    from transformers import AutoTokenizer
+
+    text = json.loads((Path(__file__).parent / "prompts" / "summarization.jsonl").read_text().splitlines()[0])
+    ids = AutoTokenizer.from_pretrained(str(model_dir)).encode(text["turns"][0])[: max_tokens - 1]
+    # Every prompt row gets logits: the prompt's tail goes in as "drafts" after its first token.
+    request = Request("accuracy", ids[:1], SamplingParams(temperature=0.0), None, 1, set())
+    request.block_table = rig.block_table
+    batch = [ScheduledRequest(request, 1, num_lookahead=len(ids) - 1, draft_token_ids=ids[1:])]
+    logits = {}
+    for name, p in packed.items():
+        install_packed_weights(rig.model, p)
+        logits[name] = rig.runner.execute(batch).logits
+    ref = logits.get("fp32", next(iter(logits.values())))
+    return {name: {"rel_err": float((got - ref).norm() / ref.norm()),
+                   "top1_agree": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+                   "num_tokens": len(ids)}
+            for name, got in logits.items()}
+
+
+# ---- one projection alone --------------------------------------------------------------
+
+def model_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, int]]:
+    """Projection -> (in, out) of the model's actual weights."""
+    layer = model.layers[0]
+    shapes = {name: tuple(getattr(layer, attr).shape[::-1])
+              for name, attr in (("qkv", "qkv_proj"), ("o", "o_proj"), ("gate_up", "gate_up_proj"),
+                                 ("down", "down_proj"))}
+    shapes["lm_head"] = tuple(model.lm_head_weight.shape[::-1])
+    return shapes  # type: ignore[return-value]
+
+
+def bench_micro(model: LlamaForCausalLM, backends: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    layer = model.layers[0]
+    weights = {"qkv": layer.qkv_proj, "o": layer.o_proj, "gate_up": layer.gate_up_proj,
+               "down": layer.down_proj, "lm_head": model.lm_head_weight}
+    for proj, weight in weights.items():
+        impls = {name: get_linear_backend(name) for name in backends}
+        packed = {name: impl.prepare(weight) for name, impl in impls.items()}
+        for m in args.micro_rows:
+            x = torch.randn(m, weight.shape[1])
+            fns = {name: (lambda i=impls[name], p=packed[name]: i.apply(x, p)) for name in backends}
+            times = time_alternately(fns, None, args.repeats, args.min_time / 4)
+            for name, seconds in times.items():
+                results.setdefault(proj, {}).setdefault(name, {})[str(m)] = seconds * 1e6
+        _progress(f"micro {proj} done")
+    return results
+
+
+# ---- report ------------------------------------------------------------------------------
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def model_tables(results: dict[str, Any], args: argparse.Namespace) -> str:
+    parts = []
+    fp32_decode = results.get("fp32", {})
+    for context in args.context_lens:
+        c = str(context)
+        headers = ["backend"] + [f"q={q}" for q in args.query_lens] + ["1-token vs fp32"]
+        rows = []
+        for name, by_context in results.items():
+            times = by_context[c]
+            one = times[str(args.query_lens[0])]
+            cells = [f"{times[str(q)]:.1f} ({times[str(q)] / one:.2f}x)" for q in args.query_lens]
+            vs = f"{one / fp32_decode[c][str(args.query_lens[0])]:.2f}x" if fp32_decode else "-"
+            rows.append([name, *cells, vs])
+        parts.append(f"### context {context}: ms per forward (ratio to the {args.query_lens[0]}-token forward)\n\n"
+                     + markdown_table(headers, rows))
+    return "\n\n".join(parts)
+
+
+def micro_tables(results: dict[str, Any], shapes: dict[str, tuple[int, int]], args: argparse.Namespace) -> str:
+    parts = []
+    for proj, by_backend in results.items():
+        k, n = shapes[proj]
+        headers = ["backend"] + [f"M={m}" for m in args.micro_rows]
+        rows = []
+        for name, times in by_backend.items():
+            one = times[str(args.micro_rows[0])]
+            rows.append([name] + [f"{times[str(m)]:.0f} ({times[str(m)] / one:.2f}x)" for m in args.micro_rows])
+        parts.append(f"### {proj} {k}x{n} (in x out): µs per call (ratio to M={args.micro_rows[0]})\n\n"
+                     + markdown_table(headers, rows))
+    return "\n\n".join(parts)
+
+
+def invariance_table(results: dict[str, Any], context: int, num_query: int) -> str:
+    rows = [[name, f"{r['max_abs_diff']:.2e}", r["bitwise_equal"], r["argmax_equal"]]
+            for name, r in results.items()]
+    return (f"### batch invariance: verify forward of {num_query} tokens vs {num_query} decode steps "
+            f"(context {context})\n\n"
+            + markdown_table(["backend", "max |Δlogit|", "bitwise equal", "argmax equal"], rows))
+
+
+def accuracy_table(results: dict[str, Any]) -> str:
+    num_tokens = next(iter(results.values()))["num_tokens"]
+    rows = [[name, f"{r['rel_err']:.2e}", f"{100 * r['top1_agree']:.1f}%"] for name, r in results.items()]
+    return (f"### accuracy: logits of a {num_tokens}-token text prompt against fp32's\n\n"
+            + markdown_table(["backend", "relative error", "top-1 agreement"], rows))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    backends = args.backends or available_linear_backends()
+    model_dir = resolve_model(args.model)
+    model = load_model(model_dir, max_positions=max(args.context_lens) + max(args.query_lens) + 1)
+    report: dict[str, Any] = {
+        "model": args.model, "backends": backends, "threads": args.threads, "repeats": args.repeats,
+        "torch": torch.__version__, "loadavg_before": os.getloadavg(),
+    }
+    sections = [f"# verify cost curve: {args.model}, {args.threads} thread(s), torch {torch.__version__}, "
+                f"load average {os.getloadavg()[0]:.2f} at start"]
+    with torch.inference_mode():
+        if not args.skip_micro:
+            shapes = model_shapes(model)
+            report["micro_us"] = bench_micro(model, backends, args)
+            report["shapes"] = shapes
+            sections.append("## one projection alone\n\n" + micro_tables(report["micro_us"], shapes, args))
+        if not (args.skip_model and args.skip_invariance):
+            packed = {name: pack_model(model, name) for name in backends}
+            rig = VerifyRig(model, max(args.context_lens) + max(args.query_lens) + 1)
+            if not args.skip_invariance:
+                context, q = args.context_lens[0], 9
+                report["invariance"] = check_invariance(rig, packed, context, q)
+                sections.append(invariance_table(report["invariance"], context, q))
+                report["accuracy"] = check_accuracy(rig, packed, model_dir, len(rig.tokens))
+                sections.append(accuracy_table(report["accuracy"]))
+            if not args.skip_model:
+                report["model_ms"] = bench_model(rig, packed, args)
+                sections.append("## target forward through the paged KV path (ModelRunner.execute)\n\n"
+                                + model_tables(report["model_ms"], args))
+    report["loadavg_after"] = os.getloadavg()
+    sections.append(f"load average at the end: {os.getloadavg()[0]:.2f}")
+    print("\n\n".join(sections))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
