@@ -11,7 +11,7 @@ during the target's own generations by distill_data) to the draft's distribution
 positions the target actually generated. Held-out agreement is measured against the fp32
 target over the full vocabulary.
 
-    python -m specdec.drafters.train_draft --out drafters/weights/smollm2-135m-draft --steps 600
+    python -m specdec.drafters.train_draft --out drafters/weights/smollm2-135m-draft --steps 900
 """
 from __future__ import annotations
 
@@ -271,7 +271,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("drafters/weights/smollm2-135m-draft"))
     parser.add_argument("--layers", default="0,1",
                         help="target layers that initialise the draft's layers, in order")
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=900)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per step")

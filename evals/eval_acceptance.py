@@ -472,6 +472,7 @@ def evaluate(args: argparse.Namespace, make_llm: MakeLLM | None = None) -> dict[
     llm = None
     for label, config in configs.items():
         bar.set_postfix_str(label)
+        llm = None  # free the previous engine (weights + KV cache) before building the next
         llm = make_llm(args.model, config, args)
         warmup = warm_up(llm, prompts, args.warmup) if args.warmup else zero_counters()
         results += evaluate_config(llm, label, prompts, args, bar)
