@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +26,12 @@ SHIPPED = Path(__file__).parent / "weights"
 
 
 class MedusaHeads(torch.nn.Module):
-    def __init__(self, weights: torch.Tensor, biases: torch.Tensor, lm_head: torch.Tensor) -> None:
+    def __init__(self, weights: torch.Tensor, biases: torch.Tensor,
+                 compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
         self.weights = weights  # [heads, H, H]
         self.biases = biases  # [heads, H]
-        self.lm_head = lm_head  # [V, H], shared with the target
+        self.compute_logits = compute_logits  # the target's LM head: [N, H] -> [N, V] float32
 
     @property
     def num_heads(self) -> int:
@@ -39,12 +40,12 @@ class MedusaHeads(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [heads, B, V] float32
         residual = torch.einsum("bh,koh->kbo", hidden, self.weights) + self.biases[:, None, :]
         states = hidden[None] + F.silu(residual)  # [heads, B, H]
-        # One LM-head matmul for every head: the weight is read from memory once.
-        return F.linear(states.reshape(-1, states.shape[-1]), self.lm_head).float().view(
-            self.num_heads, hidden.shape[0], -1)
+        # One LM-head matmul for every head (through the target's linear backend): the
+        # weight is read from memory once.
+        return self.compute_logits(states.reshape(-1, states.shape[-1])).view(self.num_heads, hidden.shape[0], -1)
 
 
-def load_heads(path: Path, lm_head: torch.Tensor) -> MedusaHeads:
+def load_heads(path: Path, lm_head: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> MedusaHeads:
     config = json.loads((path / "medusa_config.json").read_text())
     tensors = load_file(str(path / "medusa_heads.safetensors"))
     n = config["num_heads"]
@@ -53,7 +54,7 @@ def load_heads(path: Path, lm_head: torch.Tensor) -> MedusaHeads:
                          f"the target has {lm_head.shape[1]}")
     weights = torch.stack([tensors[f"heads.{i}.weight"] for i in range(n)]).to(lm_head.dtype)
     biases = torch.stack([tensors[f"heads.{i}.bias"] for i in range(n)]).to(lm_head.dtype)
-    return MedusaHeads(weights, biases, lm_head)
+    return MedusaHeads(weights, biases, compute_logits)
 
 
 def resolve_heads_dir(name: str | None) -> Path:
@@ -75,7 +76,7 @@ class MedusaDrafter(Drafter):
     def from_engine(cls, engine: LLMEngine) -> MedusaDrafter:
         spec = engine.config.speculative_config
         assert spec is not None
-        heads = load_heads(resolve_heads_dir(spec.model), engine.model.lm_head_weight)
+        heads = load_heads(resolve_heads_dir(spec.model), engine.model.lm_head_weight, engine.model.compute_logits)
         choices = [tuple(c) for c in spec.tree_choices] if spec.tree_choices else DEFAULT_CHOICES
         top_k = 1 + max((max(c) for c in choices if c), default=0)
         return cls(heads, choices, top_k)

@@ -80,23 +80,26 @@ def _calls_per_sample(fn: Callable[[], Any], min_time: float) -> int:
     return max(1, int(min_time / max(once, 1e-6)))
 
 
-def time_alternately(fns: dict[str, Callable[[], Any]], setup: dict[str, Callable[[], None]] | None,
-                     repeats: int, min_time: float) -> dict[str, float]:
-    """Median seconds per call of each fn, measured in interleaved rounds."""
-    setup = setup or {}
+Point = tuple[Callable[[], None], Callable[[], Any]]  # (setup, the call to time)
+
+
+def time_interleaved(points: dict[Any, Point], repeats: int, min_time: float) -> dict[Any, dict[str, float]]:
+    """Seconds per call at every point: `repeats` rounds, each visiting every point once
+    (a sample = the mean of a few calls), so a burst of load from other jobs spreads over
+    all points instead of inflating a few. Returns the median and min over rounds."""
     calls = {}
-    for name, fn in fns.items():
-        setup.get(name, lambda: None)()
-        calls[name] = _calls_per_sample(fn, min_time)
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for key, (setup, fn) in points.items():
+        setup()
+        calls[key] = _calls_per_sample(fn, min_time)
+    samples: dict[Any, list[float]] = {key: [] for key in points}
     for _ in range(repeats):
-        for name, fn in fns.items():
-            setup.get(name, lambda: None)()
+        for key, (setup, fn) in points.items():
+            setup()
             start = time.perf_counter()
-            for _ in range(calls[name]):
+            for _ in range(calls[key]):
                 fn()
-            samples[name].append((time.perf_counter() - start) / calls[name])
-    return {name: statistics.median(values) for name, values in samples.items()}
+            samples[key].append((time.perf_counter() - start) / calls[key])
+    return {key: {"median": statistics.median(v), "min": min(v)} for key, v in samples.items()}
 
 
 # ---- one request through the engine's ModelRunner ---------------------------------------
@@ -132,17 +135,21 @@ class VerifyRig:
         return self.runner.execute(self.batch(context, num_query)).logits
 
 
-def bench_model(rig: VerifyRig, packed: dict[str, PackedWeights], args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    setup = {name: (lambda p=p: install_packed_weights(rig.model, p)) for name, p in packed.items()}
+def bench_model(rig: VerifyRig, packed: dict[str, PackedWeights], args: argparse.Namespace
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """ms per forward: (medians, mins), each backend -> context -> query length."""
+    points: dict[Any, Point] = {}
     for context in args.context_lens:
         for q in args.query_lens:
-            fns = {name: (lambda c=context, n=q: rig.step(c, n)) for name in packed}
-            times = time_alternately(fns, setup, args.repeats, args.min_time)
-            for name, seconds in times.items():
-                results.setdefault(name, {}).setdefault(str(context), {})[str(q)] = seconds * 1e3
-            _progress(f"context {context} q {q}: " + " ".join(f"{n}={t * 1e3:.1f}ms" for n, t in times.items()))
-    return results
+            for name, p in packed.items():
+                points[(name, context, q)] = (lambda p=p: install_packed_weights(rig.model, p),
+                                              lambda c=context, n=q: rig.step(c, n))
+    medians: dict[str, Any] = {}
+    mins: dict[str, Any] = {}
+    for (name, context, q), t in time_interleaved(points, args.repeats, args.min_time).items():
+        medians.setdefault(name, {}).setdefault(str(context), {})[str(q)] = t["median"] * 1e3
+        mins.setdefault(name, {}).setdefault(str(context), {})[str(q)] = t["min"] * 1e3
+    return medians, mins
 
 
 def check_invariance(rig: VerifyRig, packed: dict[str, PackedWeights], context: int,
@@ -201,12 +208,13 @@ def bench_micro(model: LlamaForCausalLM, backends: list[str], args: argparse.Nam
     for proj, weight in weights.items():
         impls = {name: get_linear_backend(name) for name in backends}
         packed = {name: impl.prepare(weight) for name, impl in impls.items()}
+        points: dict[Any, Point] = {}
         for m in args.micro_rows:
             x = torch.randn(m, weight.shape[1])
-            fns = {name: (lambda i=impls[name], p=packed[name]: i.apply(x, p)) for name in backends}
-            times = time_alternately(fns, None, args.repeats, args.min_time / 4)
-            for name, seconds in times.items():
-                results.setdefault(proj, {}).setdefault(name, {})[str(m)] = seconds * 1e6
+            for name in backends:
+                points[(name, m)] = (lambda: None, lambda i=impls[name], p=packed[name], x=x: i.apply(x, p))
+        for (name, m), t in time_interleaved(points, args.repeats, args.min_time / 4).items():
+            results.setdefault(proj, {}).setdefault(name, {})[str(m)] = t["median"] * 1e6
         _progress(f"micro {proj} done")
     return results
 
@@ -294,9 +302,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 report["accuracy"] = check_accuracy(rig, packed, model_dir, len(rig.tokens))
                 sections.append(accuracy_table(report["accuracy"]))
             if not args.skip_model:
-                report["model_ms"] = bench_model(rig, packed, args)
-                sections.append("## target forward through the paged KV path (ModelRunner.execute)\n\n"
+                report["model_ms"], report["model_ms_min"] = bench_model(rig, packed, args)
+                sections.append("## target forward through the paged KV path (ModelRunner.execute), median\n\n"
                                 + model_tables(report["model_ms"], args))
+                sections.append("## the same, min over rounds (the machine's best case)\n\n"
+                                + model_tables(report["model_ms_min"], args))
     report["loadavg_after"] = os.getloadavg()
     sections.append(f"load average at the end: {os.getloadavg()[0]:.2f}")
     print("\n\n".join(sections))
