@@ -22,7 +22,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--linear-backend", default="fp32",
+    parser.add_argument("--linear-backend", default="auto",
                         help="packed CPU matmuls for the projections and LM head: fp32 | fp16 | int8 | bf16 "
                              "| onednn-fp32 | onednn-bf16 (see evals/bench_kernels.py)")
     parser.add_argument("--seed", type=int, default=0)

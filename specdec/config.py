@@ -69,7 +69,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     speculative_config: SpeculativeConfig | None = None
     dtype: torch.dtype = torch.float32
-    linear_backend: str = "fp32"  # specdec.models.linear: fp32 | fp16 | int8 | bf16 | onednn-*
+    linear_backend: str = "auto"  # specdec.models.linear: auto | fp32 | fp16 | int8 | bf16 | onednn-*
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -84,7 +84,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        from specdec.models.linear import get_linear_backend
+        from specdec.models.linear import default_linear_backend, get_linear_backend
+
+        if self.linear_backend == "auto":
+            self.linear_backend = default_linear_backend() if self.dtype == torch.float32 else "fp32"
 
         get_linear_backend(self.linear_backend)  # ValueError if unknown or unavailable
         if self.linear_backend != "fp32" and self.dtype != torch.float32:

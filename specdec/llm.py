@@ -33,7 +33,7 @@ class LLM:
         enable_prefix_caching: bool = False,
         dtype: str = "float32",
         seed: int = 0,
-        linear_backend: str = "fp32",
+        linear_backend: str = "auto",
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")

@@ -36,7 +36,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
 
 
 def test_plain_greedy_matches_transformers(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    llm = LLM(str(tiny_model_dir), max_model_len=256)
+    llm = LLM(str(tiny_model_dir), max_model_len=256, linear_backend="fp32")
     tok = llm.get_tokenizer()
     for prompt in PROMPTS[:3]:
         ids = tok.encode(prompt)
