@@ -14,6 +14,10 @@ length) point is measured alternately across backends and machine noise hits the
 each number is the median over --repeats rounds of the mean of a few calls.
 
     SPECDEC_HOME=/tmp/sdhome python evals/bench_kernels.py --threads 2 --json /tmp/kernels.json
+
+Check `uptime` first: with 2 OpenMP threads on 2 cores while another job holds a core,
+every parallel region waits for a descheduled thread (measured: a 1-token fp32 forward
+took 340 ms instead of 71 ms at 1 thread); on a shared box compare with --threads 1.
 """
 from __future__ import annotations
 
@@ -28,24 +32,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table  # noqa: E402
-
-from specdec.config import EngineConfig  # noqa: E402
-from specdec.model_registry import DEFAULT_MODEL, resolve_model  # noqa: E402
-from specdec.model_runner import KVCache, ModelRunner  # noqa: E402
-from specdec.models import LlamaForCausalLM, load_model  # noqa: E402
-from specdec.models.linear import (  # noqa: E402
+from specdec.config import EngineConfig
+from specdec.model_registry import DEFAULT_MODEL, resolve_model
+from specdec.model_runner import KVCache, ModelRunner
+from specdec.models import LlamaForCausalLM, load_model
+from specdec.models.linear import (
+    LinearBackend,
     PackedWeights,
     available_linear_backends,
     get_linear_backend,
     install_packed_weights,
     pack_model,
 )
-from specdec.request import Request  # noqa: E402
-from specdec.sampling_params import SamplingParams  # noqa: E402
-from specdec.scheduler import ScheduledRequest  # noqa: E402
+from specdec.models.llama import LlamaDecoderLayer
+from specdec.request import Request
+from specdec.sampling_params import SamplingParams
+from specdec.scheduler import ScheduledRequest
 
 BLOCK_SIZE = 16
 
@@ -68,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-model", action="store_true")
     parser.add_argument("--skip-invariance", action="store_true", help="and the accuracy check")
     parser.add_argument("--json", type=Path, default=None, help="also write every number here")
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows])
 
 
 # ---- timing ------------------------------------------------------------------------------
@@ -115,11 +124,11 @@ class VerifyRig:
         config = EngineConfig(model="bench", block_size=BLOCK_SIZE, max_model_len=max_tokens)
         kv = KVCache(mc.num_layers, num_blocks, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim,
                      torch.float32, torch.device("cpu"))
-        for k_cache, v_cache in kv.layers:  # plausible cache contents (timings don't care)
-            k_cache.normal_()
-            v_cache.normal_()
-        self.runner = ModelRunner(model, config, kv, torch.device("cpu"))
         gen = torch.Generator().manual_seed(0)
+        for k_cache, v_cache in kv.layers:  # plausible cache contents (timings don't care)
+            k_cache.normal_(generator=gen)
+            v_cache.normal_(generator=gen)
+        self.runner = ModelRunner(model, config, kv, torch.device("cpu"))
         self.tokens = torch.randint(3, mc.vocab_size, (max_tokens,), generator=gen).tolist()
         self.block_table = list(range(num_blocks))
 
@@ -138,12 +147,17 @@ class VerifyRig:
 def bench_model(rig: VerifyRig, packed: dict[str, PackedWeights], args: argparse.Namespace
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """ms per forward: (medians, mins), each backend -> context -> query length."""
+    def install(p: PackedWeights) -> Callable[[], None]:
+        return lambda: install_packed_weights(rig.model, p)
+
+    def step(context: int, q: int) -> Callable[[], Tensor]:
+        return lambda: rig.step(context, q)
+
     points: dict[Any, Point] = {}
     for context in args.context_lens:
         for q in args.query_lens:
             for name, p in packed.items():
-                points[(name, context, q)] = (lambda p=p: install_packed_weights(rig.model, p),
-                                              lambda c=context, n=q: rig.step(c, n))
+                points[(name, context, q)] = (install(p), step(context, q))
     medians: dict[str, Any] = {}
     mins: dict[str, Any] = {}
     for (name, context, q), t in time_interleaved(points, args.repeats, args.min_time).items():
@@ -192,27 +206,32 @@ def check_accuracy(rig: VerifyRig, packed: dict[str, PackedWeights], model_dir: 
 
 def model_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, int]]:
     """Projection -> (in, out) of the model's actual weights."""
+    return {name: (int(w.shape[1]), int(w.shape[0])) for name, w in _weights(model).items()}
+
+
+def _weights(model: LlamaForCausalLM) -> dict[str, Tensor]:  # projection -> fp32 [out, in]
     layer = model.layers[0]
-    shapes = {name: tuple(getattr(layer, attr).shape[::-1])
-              for name, attr in (("qkv", "qkv_proj"), ("o", "o_proj"), ("gate_up", "gate_up_proj"),
-                                 ("down", "down_proj"))}
-    shapes["lm_head"] = tuple(model.lm_head_weight.shape[::-1])
-    return shapes  # type: ignore[return-value]
+    assert isinstance(layer, LlamaDecoderLayer)
+    return {"qkv": layer.qkv_proj, "o": layer.o_proj, "gate_up": layer.gate_up_proj,
+            "down": layer.down_proj, "lm_head": model.lm_head_weight}
 
 
 def bench_micro(model: LlamaForCausalLM, backends: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    def call(backend: LinearBackend, packed: Any, x: Tensor) -> Callable[[], Tensor]:
+        return lambda: backend.apply(x, packed)
+
+    def nothing() -> None:
+        pass
+
     results: dict[str, Any] = {}
-    layer = model.layers[0]
-    weights = {"qkv": layer.qkv_proj, "o": layer.o_proj, "gate_up": layer.gate_up_proj,
-               "down": layer.down_proj, "lm_head": model.lm_head_weight}
-    for proj, weight in weights.items():
+    for proj, weight in _weights(model).items():
         impls = {name: get_linear_backend(name) for name in backends}
         packed = {name: impl.prepare(weight) for name, impl in impls.items()}
         points: dict[Any, Point] = {}
         for m in args.micro_rows:
             x = torch.randn(m, weight.shape[1])
             for name in backends:
-                points[(name, m)] = (lambda: None, lambda i=impls[name], p=packed[name], x=x: i.apply(x, p))
+                points[(name, m)] = (nothing, call(impls[name], packed[name], x))
         for (name, m), t in time_interleaved(points, args.repeats, args.min_time / 4).items():
             results.setdefault(proj, {}).setdefault(name, {})[str(m)] = t["median"] * 1e6
         _progress(f"micro {proj} done")
@@ -284,8 +303,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": args.model, "backends": backends, "threads": args.threads, "repeats": args.repeats,
         "torch": torch.__version__, "loadavg_before": os.getloadavg(),
     }
-    sections = [f"# verify cost curve: {args.model}, {args.threads} thread(s), torch {torch.__version__}, "
-                f"load average {os.getloadavg()[0]:.2f} at start"]
+    title = (f"# verify cost curve: {args.model}, {args.threads} thread(s), torch {torch.__version__}, "
+             f"load average {os.getloadavg()[0]:.2f} at start")
+    sections = [title]
     with torch.inference_mode():
         if not args.skip_micro:
             shapes = model_shapes(model)

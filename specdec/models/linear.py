@@ -88,7 +88,8 @@ class Fp32Linear(LinearBackend):
         return weight, bias  # shares memory with the parameters
 
     def apply(self, x: Tensor, packed: tuple[Tensor, Tensor | None]) -> Tensor:
-        return F.linear(x, packed[0], packed[1])
+        out: Tensor = F.linear(x, packed[0], packed[1])
+        return out
 
 
 @contextmanager
@@ -125,7 +126,8 @@ class Fp16Linear(LinearBackend):
             return torch.ops.quantized.linear_prepack_fp16(_fp32(weight), _fp32_or_none(bias))
 
     def apply(self, x: Tensor, packed: Any) -> Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+        out: Tensor = torch.ops.quantized.linear_dynamic_fp16(x, packed)
+        return out
 
 
 class Int8Linear(LinearBackend):
@@ -157,7 +159,8 @@ class Int8Linear(LinearBackend):
 
     def apply(self, x: Tensor, packed: Any) -> Tensor:
         # reduce_range=False: the full uint8 range (the CPUs here have AVX512-VNNI).
-        return torch.ops.quantized.linear_dynamic(x, packed, False)
+        out: Tensor = torch.ops.quantized.linear_dynamic(x, packed, False)
+        return out
 
 
 class Int8RowwiseLinear(LinearBackend):
@@ -211,7 +214,7 @@ class Bf16Linear(LinearBackend):
 
 
 def _mkldnn_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # type: ignore[no-untyped-call]
 
 
 class OneDnnFp32Linear(LinearBackend):
@@ -228,7 +231,8 @@ class OneDnnFp32Linear(LinearBackend):
         return torch.ops.mkldnn._reorder_linear_weight(_fp32(weight), None), _fp32_or_none(bias)
 
     def apply(self, x: Tensor, packed: tuple[Tensor, Tensor | None]) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed[0], packed[1], "none", [], "")
+        out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed[0], packed[1], "none", [], "")
+        return out
 
 
 class OneDnnBf16Linear(LinearBackend):
@@ -247,7 +251,7 @@ class OneDnnBf16Linear(LinearBackend):
 
     def apply(self, x: Tensor, packed: tuple[Tensor, Tensor | None]) -> Tensor:
         weight, bias = packed
-        out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, None, "none", [], "")
+        out: Tensor = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, None, "none", [], "")
         out = out.float()
         return out if bias is None else out.add_(bias)
 
@@ -335,7 +339,7 @@ def install_packed_weights(model: LlamaForCausalLM, packed: PackedWeights) -> No
     for i, layer in enumerate(model.layers):
         for _, _, attr in _PROJECTIONS:
             setattr(layer, attr, packed.layers[i][attr] if packed.backend is not None else None)
-        layer.linear = packed.backend
+        setattr(layer, "linear", packed.backend)  # noqa: B010 (layers are typed as nn.Module)
     model.lm_head_packed = packed.lm_head
     model.linear = packed.backend
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdec import LLM, SamplingParams
+from specdec.llm import LLM
 from specdec.models import LlamaForCausalLM, load_model
 from specdec.models.linear import (
     LINEAR_BACKENDS,
@@ -20,6 +20,7 @@ from specdec.models.linear import (
     get_linear_backend,
     linear_backend_name,
 )
+from specdec.sampling_params import SamplingParams
 from tests.helpers import make_kv_caches, random_block_table, single_request_meta
 
 BACKENDS = available_linear_backends()
@@ -127,6 +128,18 @@ def test_model_logits_close_to_fp32(tiny_model: LlamaForCausalLM, name: str) -> 
     assert torch.equal(_logits(tiny_model, ids), expected)  # the fp32 path is back, bit for bit
 
 
+def test_auto_picks_the_measured_default() -> None:
+    from specdec.config import EngineConfig
+    from specdec.models.linear import default_linear_backend
+
+    config = EngineConfig(model="unused")
+    config.validate()
+    assert config.linear_backend == default_linear_backend() == ("fp16" if "fp16" in BACKENDS else "fp32")
+    bf16 = EngineConfig(model="unused", dtype=torch.bfloat16)
+    bf16.validate()
+    assert bf16.linear_backend == "fp32"  # packed backends need fp32 activations
+
+
 def test_backend_needs_an_fp32_model(tiny_model_dir: Path) -> None:
     model = load_model(tiny_model_dir, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="float32"):
@@ -175,5 +188,9 @@ def test_draft_model_uses_the_engine_backend(tiny_model_dir: Path, tiny_draft_di
     spec = LLM(str(tiny_model_dir), max_model_len=128, kv_cache_memory=KV_BYTES, linear_backend="fp16",
                speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
                                    "model": str(tiny_draft_dir)})
-    assert linear_backend_name(spec.engine.drafter.model) == "fp16"
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    drafter = spec.engine.drafter
+    assert isinstance(drafter, DraftModelDrafter)
+    assert linear_backend_name(drafter.model) == "fp16"
     assert _token_ids(spec) == _token_ids(spec, use_speculation=False)
