@@ -131,3 +131,18 @@ def test_bad_speculative_config_is_named(tiny_model_dir) -> None:  # type: ignor
         LLM(str(tiny_model_dir), speculative_config={"method": "eagle"})
     with pytest.raises(ValueError, match="needs 'model'"):
         LLM(str(tiny_model_dir), speculative_config={"method": "draft_model"})
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_verify_reproduces_decode_bit_for_bit(tiny_model_dir, tiny_draft_dir, method) -> None:  # type: ignore[no-untyped-def]
+    """With row-invariant linears (fp16) and attention, a verify row computes exactly what
+    a decode step computes: the logprobs of every emitted token agree to the last bit."""
+    plain = LLM(str(tiny_model_dir), max_model_len=256, linear_backend="fp16")
+    # The target as its own draft: long accepted runs, so many rows are verified.
+    spec = LLM(str(tiny_model_dir), max_model_len=256, linear_backend="fp16",
+               speculative_config=spec_configs(tiny_model_dir, tiny_model_dir)[method])
+    prompts = random_prompts(40, 4)
+    params = greedy(logprobs=2)
+    expected = [o.outputs[0].logprobs for o in plain.generate(prompts, params)]
+    assert [o.outputs[0].logprobs for o in spec.generate(prompts, params)] == expected
+    assert spec.get_metrics()["num_accepted_tokens"] > 0
