@@ -89,6 +89,7 @@ def bench_batch1(args: argparse.Namespace, runners: dict[str, Any]) -> list[dict
                 s["drafts"] += delta.get("num_drafts", 0)
                 s["drafted"] += delta.get("num_draft_tokens", 0)
                 s["accepted"] += delta.get("num_accepted_tokens", 0)
+                print(f"{category} {method}: {tokens} tokens in {seconds:.2f}s", file=sys.stderr, flush=True)
         results += [_row(category, m, s, stats) for m, s in stats.items()]
     return results
 
