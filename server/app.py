@@ -7,6 +7,7 @@ but /health and /metrics needs `Authorization: Bearer <key>`.
 """
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import contextlib
@@ -434,7 +435,7 @@ class _DeltaTracker:
         return delta
 
 
-class _Streamer:
+class _Streamer(abc.ABC):
     """Formats one streaming response; subclasses shape completions / chat chunks."""
 
     object_name = ""
@@ -458,8 +459,9 @@ class _Streamer:
         self.latest[prompt_index] = output
         return [self.chunk([self.choice(output, d)]) for d in self.tracker.deltas(prompt_index, output)]
 
+    @abc.abstractmethod
     def choice(self, output: RequestOutput, delta: _Delta) -> dict[str, Any]:
-        raise NotImplementedError
+        """One chunk choice for a delta of one prompt's output."""
 
     def closing(self) -> list[dict[str, Any]]:
         if not self.include_usage:

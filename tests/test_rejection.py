@@ -7,7 +7,6 @@ target distribution, a classic bug) and asserts that the same check rejects it.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 from dataclasses import dataclass
 from typing import Any
@@ -26,14 +25,6 @@ N_TRIALS = 40_000  # requests per statistical batch
 P_OK = 1e-3  # a correct sampler must pass with p above this (seeds are fixed)
 P_BROKEN = 1e-6  # the broken control must fall below this
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """The tensors here are tiny: intra-op threads only add overhead, badly on a busy box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def chi2_pvalue(counts: Tensor, probs: Tensor) -> float:

@@ -1,7 +1,6 @@
 """Tests for specdec.sampler: transforms, sampling, seeds, logprobs."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,14 +10,6 @@ import specdec.sampler as sampler
 from specdec.sampler import SamplingTensors, logits_to_probs, sample, top_logprobs
 from specdec.sampling_params import SamplingParams
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """The tensors here are tiny: intra-op threads only add overhead, badly on a busy box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_st(params: list[SamplingParams], seeded: bool = False) -> SamplingTensors:

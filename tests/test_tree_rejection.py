@@ -8,7 +8,6 @@ same check rejects it.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -26,14 +25,6 @@ N_TRIALS = 20_000  # requests per statistical batch (the broken control fails by
 P_OK = 1e-3  # a correct verifier must pass with p above this (seeds are fixed)
 P_BROKEN = 1e-6  # the broken control must fall below this
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """The tensors here are tiny: intra-op threads only add overhead."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def greedy_st(n: int) -> SamplingTensors:
