@@ -117,6 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-num-tokens", type=int, default=5,
                         help="prompt_lookup_num_tokens and num_assistant_tokens for the HF baselines")
     parser.add_argument("--out", type=Path, default=None, help="report dir (default evals/results/<timestamp>)")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the finished prompts recorded in --out/prompts.jsonl by an earlier run")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,21 +276,78 @@ def warm_up(llm: LLM, prompts: dict[str, list[dict[str, Any]]], count: int) -> C
     return sum_counters(r.counters for r in runs if r.counters)
 
 
-def evaluate_config(llm: LLM, label: str, prompts: dict[str, list[dict[str, Any]]],
-                    args: argparse.Namespace, bar: Any) -> list[PromptResult]:
-    results, turn = [], 0
-    for temperature in args.temperatures:
-        for category, items in prompts.items():
-            for index, item in enumerate(items):
-                params = sampling_params(temperature, args.max_tokens, args.seed + index)
-                runs: dict[bool, Run] = {}
-                # Alternate who goes first, so drift in machine load favours neither.
-                for speculative in ((False, True) if turn % 2 == 0 else (True, False)):
-                    runs[speculative] = engine_run(llm, item["turns"], params, speculative)
-                    bar.update(1)
-                turn += 1
-                results.append(PromptResult(label, temperature, category, item["id"], runs[True], runs[False]))
+Key = tuple[str, float, str, str]  # config label, temperature, category, prompt id
+
+
+def plan(label: str, prompts: dict[str, list[dict[str, Any]]],
+         temperatures: list[float]) -> list[tuple[Key, int, dict[str, Any]]]:
+    """Every (key, index in category, item) one config generates, in run order."""
+    return [((label, t, category, item["id"]), index, item)
+            for t in temperatures for category, items in prompts.items() for index, item in enumerate(items)]
+
+
+def evaluate_config(llm: LLM | None, label: str, prompts: dict[str, list[dict[str, Any]]],
+                    args: argparse.Namespace, bar: Any, journal: Journal) -> list[PromptResult]:
+    results = []
+    for turn, (key, index, item) in enumerate(plan(label, prompts, args.temperatures)):
+        result = journal.get(key)
+        if result is None:
+            assert llm is not None, "an engine is built whenever a prompt is pending"
+            params = sampling_params(key[1], args.max_tokens, args.seed + index)
+            result = run_prompt(llm, key, item["turns"], params, plain_first=turn % 2 == 0, bar=bar)
+            journal.add(result)
+        else:
+            bar.update(2)
+        results.append(result)
     return results
+
+
+def run_prompt(llm: LLM, key: Key, turns: list[str], params: SamplingParams, plain_first: bool,
+               bar: Any) -> PromptResult:
+    runs: dict[bool, Run] = {}
+    # Alternate who goes first, so drift in machine load favours neither.
+    for speculative in ((False, True) if plain_first else (True, False)):
+        runs[speculative] = engine_run(llm, turns, params, speculative)
+        bar.update(1)
+    return PromptResult(*key, spec=runs[True], plain=runs[False])
+
+
+class Journal:
+    """prompts.jsonl in the report dir, one line per finished prompt: a run that is killed
+    keeps its work, and `--resume` continues it (reusing only records of the same setup)."""
+
+    def __init__(self, path: Path | None, resume: bool) -> None:
+        self.path = path
+        self.setups: dict[str, dict[str, Any]] = {}
+        self.done: dict[Key, tuple[dict[str, Any], PromptResult]] = {}
+        if path is not None and resume and path.is_file():
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                self.done[_key(record)] = (record["setup"], _from_record(record))
+        elif path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+    def set_setup(self, label: str, setup: dict[str, Any]) -> None:
+        self.setups[label] = setup
+
+    def get(self, key: Key) -> PromptResult | None:
+        setup, result = self.done.get(key, (None, None))
+        return result if setup == self.setups[key[0]] else None
+
+    def add(self, result: PromptResult) -> None:
+        if self.path is not None:
+            record = {**_prompt_record(result), "setup": self.setups[result.config]}
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+
+def _key(record: dict[str, Any]) -> Key:
+    return record["config"], record["temperature"], record["category"], record["id"]
+
+
+def _from_record(record: dict[str, Any]) -> PromptResult:
+    return PromptResult(*_key(record), spec=Run(**record["spec"]), plain=Run(**record["plain"]))
 
 
 # ---- summaries ---------------------------------------------------------------------------
@@ -449,7 +508,7 @@ def hf_rows(results: list[HFResult]) -> list[dict[str, Any]]:
 # ---- the whole evaluation ----------------------------------------------------------------
 
 
-def default_llm(model: str, speculative_config: dict[str, Any], args: argparse.Namespace) -> LLM:
+def default_llm(model: str, speculative_config: dict[str, Any] | None, args: argparse.Namespace) -> LLM:
     from specdec.llm import LLM
 
     return LLM(model, speculative_config=speculative_config, max_model_len=args.max_model_len,
@@ -467,18 +526,26 @@ def evaluate(args: argparse.Namespace, make_llm: MakeLLM | None = None) -> dict[
     hf_methods = (4 if args.draft_model else 3) if args.hf_baselines else 0
     total = (2 * len(configs) * len(args.temperatures) + hf_methods) * num_prompts
     bar = tqdm(total=total, desc="eval acceptance", unit="gen")
+    journal = Journal(args.out / "prompts.jsonl" if args.out else None, args.resume)
     results: list[PromptResult] = []
     config_info: dict[str, Any] = {}
     llm = None
     for label, config in configs.items():
         bar.set_postfix_str(label)
+        journal.set_setup(label, {"model": args.model, "speculative_config": config, "max_tokens": args.max_tokens,
+                                  "dtype": args.dtype, "seed": args.seed})
+        pending = [key for key, _, _ in plan(label, prompts, args.temperatures) if journal.get(key) is None]
         llm = None  # free the previous engine (weights + KV cache) before building the next
-        llm = make_llm(args.model, config, args)
-        warmup = warm_up(llm, prompts, args.warmup) if args.warmup else zero_counters()
-        results += evaluate_config(llm, label, prompts, args, bar)
+        llm = make_llm(args.model, config, args) if pending else None
+        warmup = warm_up(llm, prompts, args.warmup) if llm and args.warmup else zero_counters()
+        results += evaluate_config(llm, label, prompts, args, bar, journal)
         config_info[label] = {"speculative_config": config, "warmup_counters": warmup,
-                              "engine_totals": _engine_totals(llm)}
-    hf = run_hf_baselines(llm, prompts, args, bar) if args.hf_baselines and llm is not None else []
+                              "engine_totals": _engine_totals(llm) if llm else None,
+                              "num_resumed_prompts": len(plan(label, prompts, args.temperatures)) - len(pending)}
+    hf: list[HFResult] = []
+    if args.hf_baselines:
+        llm = llm or make_llm(args.model, None, args)  # a plain engine when everything was resumed
+        hf = run_hf_baselines(llm, prompts, args, bar)
     bar.close()
     return build_report(args, configs, config_info, results, hf, llm)
 
@@ -662,9 +729,9 @@ def main(args: argparse.Namespace | list[str] | None = None) -> dict[str, Any]:
         import torch
 
         torch.set_num_threads(args.threads)
+    args.out = args.out or Path("evals/results") / time.strftime("%Y%m%d-%H%M%S")
     report = evaluate(args)
-    out = args.out or Path("evals/results") / time.strftime("%Y%m%d-%H%M%S")
-    paths = write_reports(report, out)
+    paths = write_reports(report, args.out)
     for temperature in args.temperatures:  # the headline: every config over all categories
         rows = [r for r in report["results"] if r["category"] == "all" and r["temperature"] == temperature]
         print(f"temperature {temperature:g}", *markdown_table(rows), sep="\n")

@@ -23,16 +23,18 @@ def ev() -> ModuleType:
     return module
 
 
+def eval_argv(model: Path, draft: Path, out: Path) -> list[str]:
+    return [str(model), "--configs", NGRAM, "draft-k3", "--draft-model", str(draft),
+            "--prompts", "qa", "mt_bench", "--num-prompts", "2", "--max-tokens", "16",
+            "--temperatures", *map(str, TEMPERATURES), "--max-model-len", "512",
+            "--warmup", "0",  # so that the reported counters are all the engine ever counted
+            "--out", str(out)]
+
+
 @pytest.fixture(scope="module")
 def run(ev, tiny_model_dir, tiny_draft_dir, tmp_path_factory) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     out = tmp_path_factory.mktemp("eval-report")
-    args = ev.build_parser().parse_args([
-        str(tiny_model_dir), "--configs", NGRAM, "draft-k3", "--draft-model", str(tiny_draft_dir),
-        "--prompts", "qa", "mt_bench", "--num-prompts", "2", "--max-tokens", "16",
-        "--temperatures", *map(str, TEMPERATURES), "--max-model-len", "512",
-        "--warmup", "0",  # so that the reported counters are all the engine ever counted
-        "--out", str(out),
-    ])
+    args = ev.build_parser().parse_args(eval_argv(tiny_model_dir, tiny_draft_dir, out))
     llms: dict[str, Any] = {}
 
     def make_llm(model: str, config: dict[str, Any], a: Any) -> Any:
@@ -133,3 +135,16 @@ def test_configs_and_prompt_sets(ev) -> None:  # type: ignore[no-untyped-def]
     assert all(len(items) >= 10 for items in prompts.values())
     assert all(len(item["turns"]) == 2 for item in prompts["mt_bench"])
     assert all(item["input_grounded"] for cat in ("summarization", "rag") for item in prompts[cat])
+
+
+def test_resume_reuses_the_journal(ev, run, tiny_model_dir, tiny_draft_dir) -> None:  # type: ignore[no-untyped-def]
+    out: Path = run["out"]
+    assert len((out / "prompts.jsonl").read_text().splitlines()) == 2 * len(TEMPERATURES) * 4
+    args = ev.build_parser().parse_args([*eval_argv(tiny_model_dir, tiny_draft_dir, out), "--resume"])
+
+    def no_llm(*_: Any) -> Any:
+        raise AssertionError("nothing is pending, so no engine should be built")
+
+    report = ev.evaluate(args, make_llm=no_llm)
+    assert report["results"] == run["report"]["results"]
+    assert report["configs"]["draft-k3"]["num_resumed_prompts"] == 2 * len(TEMPERATURES) * 2
