@@ -108,21 +108,29 @@ def _fbgemm_engine() -> str | None:
     return next((e for e in ("x86", "fbgemm") if e in engines), None)
 
 
-class Fp16Linear(LinearBackend):
+class _FbgemmLinear(LinearBackend):
+    """Backends on fbgemm's quantized ops: available where torch has that engine."""
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return _fbgemm_engine() is not None
+
+    @staticmethod
+    def engine() -> str:
+        engine = _fbgemm_engine()
+        assert engine is not None, "no fbgemm quantized engine in this torch build"
+        return engine
+
+
+class Fp16Linear(_FbgemmLinear):
     """fbgemm packed fp16 weights (`quantized::linear_prepack_fp16`); activations stay
     fp32 and are multiplied in fp32 against the fp16 weight (converted in registers).
     Halves weight memory traffic; batch invariant on this hardware."""
 
     name, rel_tol, batch_invariant = "fp16", 1e-2, True
 
-    @classmethod
-    def is_available(cls) -> bool:
-        return _fbgemm_engine() is not None
-
     def prepare(self, weight: Tensor, bias: Tensor | None = None) -> Any:
-        engine = _fbgemm_engine()
-        assert engine is not None, "no fbgemm quantized engine in this torch build"
-        with _quantized_engine(engine):
+        with _quantized_engine(self.engine()):
             return torch.ops.quantized.linear_prepack_fp16(_fp32(weight), _fp32_or_none(bias))
 
     def apply(self, x: Tensor, packed: Any) -> Tensor:
@@ -130,7 +138,7 @@ class Fp16Linear(LinearBackend):
         return out
 
 
-class Int8Linear(LinearBackend):
+class Int8Linear(_FbgemmLinear):
     """fbgemm dynamic int8: weights quantized once, symmetric per output channel;
     activations quantized per call with one (asymmetric, uint8) scale for the whole
     [M, in] input, int32 accumulation, fp32 output.
@@ -140,13 +148,8 @@ class Int8Linear(LinearBackend):
 
     name, rel_tol, batch_invariant = "int8", 5e-2, False
 
-    @classmethod
-    def is_available(cls) -> bool:
-        return _fbgemm_engine() is not None
-
     def prepare(self, weight: Tensor, bias: Tensor | None = None) -> Any:
-        engine = _fbgemm_engine()
-        assert engine is not None, "no fbgemm quantized engine in this torch build"
+        engine = self.engine()
         weight = _fp32(weight)
         scales = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
         zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
