@@ -560,14 +560,19 @@ def completion_body(state: ServerState, job: _Job, finals: list[RequestOutput], 
             "choices": choices, "usage": _usage(finals)}
 
 
+def _checked_params(state: ServerState, body: Any) -> SamplingParams:
+    """The body's model must be ours and its sampling fields valid (else a 4xx)."""
+    state.check_model(body.model)
+    try:
+        return body.to_sampling_params()  # type: ignore[no-any-return]
+    except ValueError as exc:
+        raise _params_error(exc) from None
+
+
 async def create_completion(request: Request) -> Response:
     state = _state(request)
     body = await parse_body(request, CompletionRequest)
-    state.check_model(body.model)
-    try:
-        params = body.to_sampling_params()
-    except ValueError as exc:
-        raise _params_error(exc) from None
+    params = _checked_params(state, body)
     job = _Job(f"cmpl-{uuid.uuid4().hex}", params.n)
     await _start(state, job, body.prompts(), params, body.speculative, "prompt")
     if body.stream:
@@ -610,11 +615,7 @@ def chat_body(state: ServerState, job: _Job, final: RequestOutput, num_top: int)
 async def create_chat_completion(request: Request) -> Response:
     state = _state(request)
     body = await parse_body(request, ChatCompletionRequest)
-    state.check_model(body.model)
-    try:
-        params = body.to_sampling_params()
-    except ValueError as exc:
-        raise _params_error(exc) from None
+    params = _checked_params(state, body)
     prompt = chat_prompt(state, body.conversation(), body.add_generation_prompt)
     job = _Job(f"chatcmpl-{uuid.uuid4().hex}", params.n)
     await _start(state, job, [prompt], params, body.speculative, "messages")
