@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -56,6 +57,7 @@ class FakeEngine:
 
     def step(self) -> list[RequestOutput]:
         self._called()
+        time.sleep(0.0005)  # a real step releases the GIL; without it the loop starves the test
         if self.fail_steps:
             self.fail_steps -= 1
             raise RuntimeError("scripted step failure")
@@ -145,7 +147,8 @@ def test_dead_loop_reports_503(fake: FakeEngine) -> None:
         app = build_app(engine, "fake")
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
             assert (await client.get("/health")).status_code == 200
-            stream = await engine.generate("x", [1], SamplingParams(max_tokens=10_000))
+            # never finishes on its own, so the loop is still stepping when it breaks
+            stream = await engine.generate("x", [1], SamplingParams(max_tokens=10**9))
             fake.broken = True
             assert await asyncio.to_thread(wait_until, lambda: not engine.is_alive)
             outputs = await _drain(stream)  # the in-flight request is failed, not left hanging
