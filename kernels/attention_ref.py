@@ -1,13 +1,15 @@
 """Plain-torch paged attention over a flattened batch: the reference every kernel matches.
 
 It is also the CPU path. Short queries (decodes, verifies, tree nodes) are computed
-row-invariantly: each query row gathers exactly the keys it may see, in position order,
-and rows with the same number of keys share one unmasked SDPA call. A row's result then
-does not depend on what else is in the batch or on how many drafts follow it, so a
-verify step reproduces plain decoding bit for bit (given row-invariant linears, e.g. the
-fp16 backend): greedy speculation stays token-identical. Each long prefill chunk runs
-on its own with a causal mask. Index tensors are built once per step (`_plan`) and
-reused by every layer.
+row-invariantly: each query row attends, in one unmasked SDPA call of its own, to exactly
+the keys it may see, in position order. A row's result then does not depend on what else
+is in the batch or on how many drafts follow it, so a verify step reproduces plain
+decoding bit for bit (given row-invariant linears, e.g. the fp16 backend): greedy
+speculation stays token-identical. A request's keys are gathered from the paged cache
+once per layer; a row whose visible keys are a prefix of them (decodes, chains) attends to
+a view, and only tree rows off the first path copy their own key set. Each long prefill
+chunk runs on its own with a causal mask. Index tensors are built once per step
+(`_plan`) and reused by every layer.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 
 from specdec.kernels.metadata import AttentionMetadata
 
-_SHORT_QUERY = 64  # queries up to this long share one padded call
+_SHORT_QUERY = 64  # queries up to this long are computed row by row
 
 
 @dataclass
@@ -42,9 +44,13 @@ def store_kv_ref(
 
 
 @dataclass
-class _RowGroup:
-    rows: torch.Tensor  # [G] query rows, each seeing exactly L keys
-    slots: torch.Tensor  # [G, L] flat cache slots of those keys, in position order
+class _RequestRows:
+    """The short query rows of one request and the keys each of them sees."""
+
+    slots: torch.Tensor  # [S] flat cache slots of the request's context, in position order
+    # (query row, visible keys): an int L means the first L gathered keys, a tensor
+    # [L] int64 holds indices into them (tree rows off the first root-to-leaf path).
+    rows: list[tuple[int, int | torch.Tensor]]
 
 
 def paged_attention_ref(
@@ -55,69 +61,80 @@ def paged_attention_ref(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     out = torch.empty_like(query)
-    row_groups, prefill_groups = _plan(meta, k_cache.shape[1], query.device)
-    for rows in row_groups:
-        out[rows.rows] = _attend_rows(query, k_cache, v_cache, rows, scale)
+    requests, prefill_groups = _plan(meta, k_cache.shape[1], query.device)
+    for request in requests:
+        k = _gather(k_cache, request.slots).to(query.dtype)  # [S, Hkv, D]
+        v = _gather(v_cache, request.slots).to(query.dtype)
+        for row, visible in request.rows:
+            out[row] = _attend_row(query[row], k, v, visible, scale)
     for group in prefill_groups:
         result = _attend(query, k_cache, v_cache, group, scale)  # [G, Qmax, Hq, D]
         out[group.out_rows] = result.reshape(-1, *query.shape[1:])[group.valid]
     return out
 
 
-def _attend_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _RowGroup,
-                 scale: float) -> torch.Tensor:  # [G, Hq, D]
-    q = query[group.rows].unsqueeze(2)  # [G, Hq, 1, D]
-    k = k_cache.view(-1, *k_cache.shape[2:])[group.slots].transpose(1, 2).to(q.dtype)  # [G, Hkv, L, D]
-    v = v_cache.view(-1, *v_cache.shape[2:])[group.slots].transpose(1, 2).to(q.dtype)
-    out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out.squeeze(2)
+def _gather(cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+            slots: torch.Tensor,  # [...] flat slots
+            ) -> torch.Tensor:  # [..., Hkv, D]
+    """index_select, not advanced indexing: the same copy, about five times faster on CPU."""
+    flat = cache.view(-1, *cache.shape[2:])
+    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:])
+
+
+def _attend_row(q: torch.Tensor,  # [Hq, D]
+                k: torch.Tensor,  # [S, Hkv, D] the request's gathered keys
+                v: torch.Tensor,  # [S, Hkv, D]
+                visible: int | torch.Tensor, scale: float) -> torch.Tensor:  # [Hq, D]
+    # Same strides whether sliced or copied, so a row's result depends only on its keys.
+    k_row = k[:visible] if isinstance(visible, int) else k.index_select(0, visible)  # [L, Hkv, D]
+    v_row = v[:visible] if isinstance(visible, int) else v.index_select(0, visible)
+    out = F.scaled_dot_product_attention(
+        q[None, :, None], k_row[None].transpose(1, 2), v_row[None].transpose(1, 2),
+        scale=scale, enable_gqa=q.shape[0] != k.shape[1])  # [1, Hq, 1, D]
+    return out[0, :, 0]
 
 
 def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
             scale: float) -> torch.Tensor:  # [G, Qmax, Hq, D]
     q = query[group.query_index].transpose(1, 2)  # [G, Hq, Qmax, D]
-    k = k_cache.view(-1, *k_cache.shape[2:])[group.slots].transpose(1, 2).to(q.dtype)  # [G, Hkv, L, D]
-    v = v_cache.view(-1, *v_cache.shape[2:])[group.slots].transpose(1, 2).to(q.dtype)
+    k = _gather(k_cache, group.slots).transpose(1, 2).to(q.dtype)  # [G, Hkv, L, D]
+    v = _gather(v_cache, group.slots).transpose(1, 2).to(q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
 
 
 def _plan(meta: AttentionMetadata, block_size: int,
-          device: torch.device) -> tuple[list[_RowGroup], list[_Group]]:
+          device: torch.device) -> tuple[list[_RequestRows], list[_Group]]:
     key = f"ref:{block_size}"
     if key not in meta.plan_cache:
         short = [b for b, n in enumerate(meta.query_lens_cpu) if n <= _SHORT_QUERY]
         long = [b for b, n in enumerate(meta.query_lens_cpu) if n > _SHORT_QUERY]
-        meta.plan_cache[key] = (_row_groups(meta, short, block_size, device),
+        meta.plan_cache[key] = ([_request_rows(meta, b, block_size, device) for b in short],
                                 [_group(meta, [b], block_size, device) for b in long])
-    plan: tuple[list[_RowGroup], list[_Group]] = meta.plan_cache[key]
+    plan: tuple[list[_RequestRows], list[_Group]] = meta.plan_cache[key]
     return plan
 
 
-def _row_groups(meta: AttentionMetadata, requests: list[int], block_size: int,
-                device: torch.device) -> list[_RowGroup]:
-    by_length: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
-    for b in requests:
-        for row, slots in _visible_slots(meta, b, block_size, device):
-            rows, keys = by_length.setdefault(len(slots), ([], []))
-            rows.append(row)
-            keys.append(slots)
-    return [_RowGroup(torch.tensor(rows, device=device), torch.stack(keys))
-            for rows, keys in by_length.values()]
-
-
-def _visible_slots(meta: AttentionMetadata, b: int, block_size: int,
-                   device: torch.device) -> list[tuple[int, torch.Tensor]]:
-    """(query row, [L] slots it attends to) for each query token of request b."""
+def _request_rows(meta: AttentionMetadata, b: int, block_size: int, device: torch.device) -> _RequestRows:
     q_len, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
     prefix, start = seq_len - q_len, int(meta.query_start_loc[b])
     pos = torch.arange(seq_len, device=device)
     slots = meta.block_tables[b].long()[pos // block_size] * block_size + pos % block_size  # [seq_len]
     if meta.tree_mask is None:
-        return [(start + i, slots[: prefix + i + 1]) for i in range(q_len)]
+        return _RequestRows(slots, [(start + i, prefix + i + 1) for i in range(q_len)])
     sees = meta.tree_mask[start : start + q_len, :q_len]  # [q_len, q_len]
-    return [(start + i, torch.cat([slots[:prefix], slots[prefix:][sees[i]]])) for i in range(q_len)]
+    return _RequestRows(slots, [(start + i, _tree_keys(sees[i], prefix, device)) for i in range(q_len)])
+
+
+def _tree_keys(sees: torch.Tensor,  # [q_len] bool: the query tokens this row sees
+               prefix: int, device: torch.device) -> int | torch.Tensor:
+    """A length when the row sees a run of query tokens from the first, else key indices."""
+    count = int(sees.sum())
+    if bool(sees[:count].all()):
+        return prefix + count
+    among = torch.nonzero(sees).flatten() + prefix
+    return torch.cat([torch.arange(prefix, device=device), among])
 
 
 def _group(meta: AttentionMetadata, group: list[int], block_size: int, device: torch.device) -> _Group:
