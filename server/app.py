@@ -29,8 +29,10 @@ from typing import Any, TypeVar
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from specdec.server.async_engine import AsyncEngine, EngineDeadError, EngineShuttingDownError, RequestStream
 from specdec.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from specdec.server.protocol import (
@@ -686,22 +688,56 @@ def _server_tokenizer(engine: Any) -> Any:
         return AutoTokenizer.from_pretrained(str(engine.model_dir))
 
 
-def _router() -> APIRouter:
+_SCHEMA_REF = "#/components/schemas/{model}"
+_BEARER = "bearerAuth"
+
+
+def _openapi_extra(body: type[BaseModel] | None, auth: bool, api_key: str | None) -> dict[str, Any]:
+    """Handlers parse their bodies themselves (parse_body), so FastAPI cannot see them:
+    document each body and the bearer key here, for clients and schema-driven fuzzers."""
+    extra: dict[str, Any] = {}
+    if body is not None:
+        schema = {"$ref": _SCHEMA_REF.format(model=body.__name__)}
+        extra["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+    if auth and api_key is not None:
+        extra["security"] = [{_BEARER: []}]
+    return extra
+
+
+def _router(api_key: str | None) -> APIRouter:
     router = APIRouter()
     secured = [Depends(_authorize)]
-    routes: list[tuple[str, Callable[..., Any], str, bool]] = [
-        ("/v1/completions", create_completion, "POST", True),
-        ("/v1/chat/completions", create_chat_completion, "POST", True),
-        ("/v1/models", list_models, "GET", True),
-        ("/tokenize", tokenize, "POST", True),
-        ("/detokenize", detokenize, "POST", True),
-        ("/health", health, "GET", False),
-        ("/metrics", metrics, "GET", False),
+    routes: list[tuple[str, Callable[..., Any], str, bool, type[BaseModel] | None]] = [
+        ("/v1/completions", create_completion, "POST", True, CompletionRequest),
+        ("/v1/chat/completions", create_chat_completion, "POST", True, ChatCompletionRequest),
+        ("/v1/models", list_models, "GET", True, None),
+        ("/tokenize", tokenize, "POST", True, TokenizeRequest),
+        ("/detokenize", detokenize, "POST", True, DetokenizeRequest),
+        ("/health", health, "GET", False, None),
+        ("/metrics", metrics, "GET", False, None),
     ]
-    for path, endpoint, method, auth in routes:
+    for path, endpoint, method, auth, body in routes:
         router.add_api_route(path, endpoint, methods=[method], dependencies=secured if auth else None,
-                             include_in_schema=True)
+                             include_in_schema=True, openapi_extra=_openapi_extra(body, auth, api_key))
     return router
+
+
+def _openapi(app: FastAPI, api_key: str | None) -> Callable[[], dict[str, Any]]:
+    """FastAPI's schema plus the request body models and the bearer scheme it cannot infer."""
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            models = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+            _, defs = models_json_schema([(m, "validation") for m in models], ref_template=_SCHEMA_REF)
+            components = schema.setdefault("components", {})
+            components.setdefault("schemas", {}).update(defs.get("$defs", {}))
+            if api_key is not None:
+                components["securitySchemes"] = {_BEARER: {"type": "http", "scheme": "bearer"}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return build
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
@@ -719,7 +755,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         max_model_len=int(engine.max_model_len), vocab_size=int(engine.model_config.vocab_size),
         metrics=ServerMetrics(num_spec),
     )
-    app.include_router(_router())
+    app.include_router(_router(api_key))
+    app.openapi = _openapi(app, api_key)  # type: ignore[method-assign]
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)

@@ -3,14 +3,16 @@
 Latency histograms are observed as outputs reach the event loop. Engine counters are
 advanced from the deltas of the engine's cumulative `get_metrics()` snapshot, and the
 gauges are set from it, at scrape time. prometheus_client exposes a counter `x` as the
-sample `x_total` (its HELP/TYPE lines keep the bare name `x`).
+sample `x_total` (its HELP/TYPE lines keep the bare name `x`). The standard `process_*`
+metrics (resident memory, CPU time, open fds) come along, so load tests can watch the
+server's memory from outside.
 """
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specdec.outputs import RequestOutput
@@ -30,6 +32,7 @@ _ENGINE_COUNTERS = {
     "specdec:spec_decode_num_drafts": ("num_drafts", "Verify steps that carried draft tokens."),
     "specdec:spec_decode_num_draft_tokens": ("num_draft_tokens", "Draft tokens proposed."),
     "specdec:spec_decode_num_accepted_tokens": ("num_accepted_tokens", "Draft tokens accepted."),
+    "specdec:num_preemptions": ("num_preemptions", "Requests preempted (KV freed, recomputed later)."),
 }
 _PER_POS = "specdec:spec_decode_num_accepted_tokens_per_pos"
 _GAUGES = {
@@ -55,6 +58,7 @@ class ServerMetrics:
         self.per_pos = Counter(_PER_POS, "Accepted draft tokens by draft position.", ["position"], registry=reg)
         for pos in range(num_speculative_tokens):
             self.per_pos.labels(position=str(pos))
+        ProcessCollector(registry=reg)  # process_resident_memory_bytes etc. (Linux /proc/self)
         self._last: dict[str, Any] = {}
 
     def refresh(self, stats: dict[str, Any]) -> None:

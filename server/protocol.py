@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
-from specdec.sampling_params import MAX_N, MAX_STOP_STRINGS, SamplingParams
+from specdec.sampling_params import MAX_INT64, MAX_N, MAX_STOP_STRINGS, SamplingParams
 
 MAX_LOGPROBS = 20
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -86,8 +86,8 @@ class _Sampling(_Body):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    top_k: int = Field(default=0, ge=-1, lt=MAX_INT64)
+    seed: int | None = Field(default=None, ge=0, lt=MAX_INT64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)

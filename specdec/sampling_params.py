@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16
+MAX_INT64 = 2**63
 
 
 @dataclass
@@ -37,6 +38,9 @@ class SamplingParams:
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}")
+        # The sampler packs top_k into an int64 tensor for the whole batch: a larger value
+        # would fail the step of every request batched with this one.
+        _check(self.top_k < MAX_INT64, f"top_k must be below 2**63, got {self.top_k}")
         _check(self.max_tokens is None or self.max_tokens >= 1,
                f"max_tokens must be at least 1, got {self.max_tokens}")
         _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")

@@ -39,6 +39,7 @@ def post(client: httpx.Client, path: str, **body: Any) -> httpx.Response:
     ("stop", [f"s{i}" for i in range(17)], "stop"),
     ("logprobs", 21, "logprobs"),
     ("top_k", -2, "top_k"),
+    ("top_k", 2**64, "top_k"),  # would overflow the sampler's int64 tensor and fail the whole batch
     ("stream_options", {"include_usage": True}, "stream"),
 ])
 def test_invalid_fields(client: httpx.Client, field: str, value: Any, needle: str) -> None:
