@@ -1,0 +1,249 @@
+"""Adaptive speculation: each step, choose every request's draft length (or whether to
+verify its tree) to maximise expected committed tokens per second.
+
+Two models feed the choice:
+- `CostModel`: seconds of a target forward over T query tokens, from a calibration at
+  start-up (`calibrate`) corrected online by the measured step times, plus the drafter's
+  time per draft depth (zero for n-gram lookup, a draft forward per depth for a draft model).
+- `AcceptanceStats`: per request, the chance that each further draft token is accepted
+  (a geometric model, alpha, from discounted counts), seeded from all requests' counts.
+
+A chain of k drafts with per-token acceptance alpha commits 1 + alpha + ... + alpha^k
+tokens in expectation, so draft token i of a request is worth alpha^i. `plan` adds draft
+tokens across the batch in order of worth while expected tokens per second still rise,
+and stops (k = 0 everywhere, plain decoding) when the next token costs more time than it
+is worth. A tree is one all-or-nothing increment worth its request's mean accepted length.
+A request left at k = 0 gets a one-token probe every `PROBE_EVERY` steps so that its
+acceptance estimate can recover.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specdec.kernels.metadata import AttentionMetadata
+from specdec.scheduler import ScheduledRequest
+
+if TYPE_CHECKING:
+    from specdec.models import LlamaForCausalLM
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
+PROBE_EVERY = 8
+REQUEST_DISCOUNT = 0.8  # weight of a request's older verifies against its newest one
+GLOBAL_DISCOUNT = 0.98
+CORRECTION_RATE = 0.1  # how fast measured step times move the calibrated curve
+
+
+class CostModel:
+    """Predicted seconds for a target forward over T tokens and for drafting to a depth."""
+
+    def __init__(self, sizes: list[int], seconds: list[float]) -> None:
+        self.sizes = sizes  # ascending token counts with a calibrated time
+        self.seconds = seconds
+        self.correction: dict[int, float] = {}  # log2 bucket of T -> measured / calibrated
+        self.global_correction = 1.0
+        self.draft_seconds_per_depth: float | None = None  # None until the first draft is timed
+
+    def forward_time(self, num_tokens: int) -> float:
+        bucket = num_tokens.bit_length()
+        return self._calibrated(num_tokens) * self.correction.get(bucket, self.global_correction)
+
+    def draft_time(self, depth: int) -> float:
+        return (self.draft_seconds_per_depth or 0.0) * depth
+
+    def observe_forward(self, num_tokens: int, seconds: float) -> None:
+        ratio = seconds / self._calibrated(num_tokens)
+        bucket = num_tokens.bit_length()
+        old = self.correction.get(bucket, self.global_correction)
+        self.correction[bucket] = old + CORRECTION_RATE * (ratio - old)
+        self.global_correction += CORRECTION_RATE * (ratio - self.global_correction)
+
+    def observe_draft(self, depth: int, seconds: float) -> None:
+        if depth == 0:
+            return
+        per_depth, old = seconds / depth, self.draft_seconds_per_depth
+        self.draft_seconds_per_depth = per_depth if old is None else old + CORRECTION_RATE * (per_depth - old)
+
+    def _calibrated(self, num_tokens: int) -> float:
+        """Piecewise-linear in T through the calibration points, extrapolated past the ends."""
+        i = min(max(bisect.bisect_left(self.sizes, num_tokens), 1), len(self.sizes) - 1)
+        x0, x1 = self.sizes[i - 1], self.sizes[i]
+        y0, y1 = self.seconds[i - 1], self.seconds[i]
+        return max(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), 1e-6)
+
+
+@dataclass
+class _Counts:
+    accepted: float  # discounted accepted draft tokens
+    rejected: float  # discounted verifies that rejected a draft (ended before the last)
+    tree_tokens: float = 0.0  # discounted accepted tokens of tree verifies
+    tree_verifies: float = 0.0
+    idle_steps: int = 0  # steps since its last draft (probing)
+
+    @property
+    def alpha(self) -> float:
+        return min(max(self.accepted / max(self.accepted + self.rejected, 1e-9), 0.01), 0.99)
+
+    @property
+    def tree_gain(self) -> float:
+        return self.tree_tokens / max(self.tree_verifies, 1e-9)
+
+    def add(self, drafted: int, accepted: int, discount: float, tree: bool) -> None:
+        self.accepted = discount * self.accepted + accepted
+        self.rejected = discount * self.rejected + (accepted < drafted)
+        if tree:
+            self.tree_tokens = discount * self.tree_tokens + accepted
+            self.tree_verifies = discount * self.tree_verifies + 1
+
+
+class AcceptanceStats:
+    """Per-request acceptance estimates, seeded from the drafter's running totals."""
+
+    def __init__(self) -> None:
+        self.total = _Counts(accepted=1.0, rejected=1.0, tree_tokens=1.0, tree_verifies=1.0)
+        self.requests: dict[str, _Counts] = {}
+
+    def get(self, request_id: str) -> _Counts:
+        counts = self.requests.get(request_id)
+        if counts is None:  # a new request starts from two pseudo-verifies of the global estimate
+            alpha, gain = self.total.alpha, self.total.tree_gain
+            counts = _Counts(2 * alpha, 2 * (1 - alpha), 2 * gain, 2.0)
+            self.requests[request_id] = counts
+        return counts
+
+    def observe(self, request_id: str, drafted: int, accepted: int, tree: bool) -> None:
+        self.get(request_id).add(drafted, accepted, REQUEST_DISCOUNT, tree)
+        self.get(request_id).idle_steps = 0
+        self.total.add(drafted, accepted, GLOBAL_DISCOUNT, tree)
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+
+@dataclass
+class _Increment:
+    item: ScheduledRequest
+    tokens: int  # query tokens it adds to the forward
+    gain: float  # committed tokens it adds, in expectation
+    depth: int  # the item's draft depth once it is taken
+
+
+class AdaptiveSpeculation:
+    def __init__(self, cost: CostModel, tree_mode: bool) -> None:
+        self.cost = cost
+        self.tree_mode = tree_mode
+        self.stats = AcceptanceStats()
+
+    def plan(self, batch: list[ScheduledRequest]) -> None:
+        """Trim each item's reserved lookahead to the draft length that pays (maybe 0)."""
+        candidates = [item for item in batch if item.max_depth > 0]
+        if not candidates:
+            return
+        base_tokens = sum(item.num_new_tokens for item in batch)
+        base_gain = float(sum(item.completes_prompt for item in batch))
+        chosen = self._choose(self._increments(candidates), base_tokens, base_gain)
+        for item in candidates:
+            self._apply(item, chosen.get(id(item), 0))
+
+    def _increments(self, items: list[ScheduledRequest]) -> list[_Increment]:
+        increments = []
+        for item in items:
+            counts = self.stats.get(item.request.request_id)
+            if self.tree_mode:
+                increments.append(_Increment(item, item.num_lookahead, counts.tree_gain, item.max_depth))
+            else:
+                alpha = counts.alpha
+                increments += [_Increment(item, 1, alpha**d, d) for d in range(1, item.max_depth + 1)]
+        # Within one item gains fall with depth, so this order takes each item's depths in turn.
+        return sorted(increments, key=lambda inc: (-inc.gain / inc.tokens, inc.depth))
+
+    def _choose(self, increments: list[_Increment], tokens: int, gain: float) -> dict[int, int]:
+        """Depth per item (by id) at the best expected tokens per second along the order."""
+        depth: dict[int, int] = {}
+        best, best_rate = dict(depth), gain / self._step_time(tokens, 0)
+        for inc in increments:
+            tokens += inc.tokens
+            gain += inc.gain
+            depth[id(inc.item)] = inc.depth
+            rate = gain / self._step_time(tokens, max(depth.values()))
+            if rate > best_rate:
+                best, best_rate = dict(depth), rate
+        return best
+
+    def _step_time(self, tokens: int, max_depth: int) -> float:
+        return self.cost.forward_time(tokens) + self.cost.draft_time(max_depth)
+
+    def _apply(self, item: ScheduledRequest, depth: int) -> None:
+        counts = self.stats.get(item.request.request_id)
+        if depth == 0:
+            counts.idle_steps += 1
+            if counts.idle_steps < PROBE_EVERY:
+                item.num_lookahead = item.max_depth = 0
+                return
+            counts.idle_steps = 0
+            depth = 1 if not self.tree_mode else item.max_depth
+        if not self.tree_mode:
+            item.num_lookahead = item.max_depth = depth
+
+    def observe_step(self, batch: list[ScheduledRequest], draft_seconds: float, forward_seconds: float) -> None:
+        self.cost.observe_forward(sum(item.num_query_tokens for item in batch), forward_seconds)
+        self.cost.observe_draft(max((item.max_depth for item in batch), default=0), draft_seconds)
+
+    def observe_verify(self, request_id: str, drafted: int, accepted: int, tree: bool) -> None:
+        self.stats.observe(request_id, drafted, accepted, tree)
+
+    def forget(self, request_id: str) -> None:
+        self.stats.forget(request_id)
+
+
+class Stopwatch:
+    """Seconds since the last lap."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        return elapsed
+
+
+@torch.inference_mode()
+def calibrate(model: LlamaForCausalLM, kv_layers: list[Any], block_size: int,
+              context: int = 64, repeats: int = 3) -> CostModel:
+    """Time target forwards of one request over T query tokens after `context` cached ones
+    (kv_layers: the model's per-layer paged caches).
+
+    Writes KV into the first blocks of the pool: call it before any request is admitted.
+    """
+    seconds = []
+    for size in CALIBRATION_SIZES:
+        meta, ids, positions = _synthetic_batch(size, context, block_size)
+        times = []
+        for _ in range(repeats):
+            watch = Stopwatch()
+            hidden = model(ids, positions, kv_layers, meta)  # [T, H]
+            model.compute_logits(hidden)
+            times.append(watch.lap())
+        seconds.append(min(times))
+    return CostModel(list(CALIBRATION_SIZES), seconds)
+
+
+def _synthetic_batch(size: int, context: int,
+                     block_size: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+    total = context + size
+    num_blocks = -(-total // block_size)
+    positions = torch.arange(context, total)  # [T]
+    meta = AttentionMetadata(
+        slot_mapping=positions.clone(),  # blocks 0, 1, ... in order: slot == position
+        query_start_loc=torch.tensor([0, size], dtype=torch.int32),
+        seq_lens=torch.tensor([total], dtype=torch.int32),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+        query_lens_cpu=[size],
+        seq_lens_cpu=[total],
+    )
+    return meta, torch.zeros(size, dtype=torch.long), positions

@@ -1,0 +1,127 @@
+"""Adaptive speculation: the cost model, the per-step choice of draft lengths, and that
+the engine stays lossless while the choice changes from step to step."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from specdec import LLM
+from specdec.adaptive import PROBE_EVERY, AdaptiveSpeculation, CostModel
+from specdec.scheduler import ScheduledRequest
+from tests.engine.test_generate import assert_all_blocks_free, token_ids
+from tests.engine.test_speculative import greedy, random_prompts
+
+
+def flat_cost() -> CostModel:
+    """A forward costs the same for any number of tokens: every draft pays."""
+    return CostModel([1, 64], [0.01, 0.01])
+
+
+def linear_cost() -> CostModel:
+    """Each query token costs as much as the first: no draft below certainty pays."""
+    return CostModel([1, 64], [0.01, 0.64])
+
+
+def item(request_id: str, depth: int, prefill: bool = False) -> ScheduledRequest:
+    request: Any = SimpleNamespace(request_id=request_id, num_computed_tokens=0, num_tokens=1)
+    scheduled = ScheduledRequest(request, num_new_tokens=1, num_lookahead=depth, max_depth=depth)
+    if prefill:
+        request.num_tokens = 100
+    return scheduled
+
+
+def test_cost_model_interpolates_and_learns() -> None:
+    cost = CostModel([1, 8, 64], [0.010, 0.017, 0.080])
+    assert cost.forward_time(1) == pytest.approx(0.010)
+    assert cost.forward_time(4) == pytest.approx(0.013)
+    assert cost.forward_time(128) == pytest.approx(0.080 + 64 * 0.063 / 56)  # extrapolated
+    for _ in range(100):
+        cost.observe_forward(4, 0.026)  # this machine turned out twice as slow at 4 tokens
+    assert cost.forward_time(4) == pytest.approx(0.026, rel=1e-3)
+    assert cost.forward_time(64) == pytest.approx(0.160, rel=1e-3)  # other sizes follow globally
+    cost.observe_draft(4, 0.008)
+    assert cost.draft_time(2) == pytest.approx(0.004)
+
+
+def test_flat_cost_keeps_every_draft() -> None:
+    planner = AdaptiveSpeculation(flat_cost(), tree_mode=False)
+    batch = [item("a", 5), item("b", 3), item("c", 0)]
+    planner.plan(batch)
+    assert [(i.max_depth, i.num_lookahead) for i in batch] == [(5, 5), (3, 3), (0, 0)]
+
+
+def test_linear_cost_turns_speculation_off_then_probes() -> None:
+    planner = AdaptiveSpeculation(linear_cost(), tree_mode=False)
+    for step in range(1, PROBE_EVERY + 1):
+        batch = [item("a", 4)]
+        planner.plan(batch)
+        expected = 1 if step == PROBE_EVERY else 0  # a one-token probe keeps alpha current
+        assert batch[0].max_depth == batch[0].num_lookahead == expected
+
+
+def test_better_requests_get_drafts_first() -> None:
+    planner = AdaptiveSpeculation(CostModel([1, 2, 64], [0.01, 0.0115, 0.2]), tree_mode=False)
+    for _ in range(10):
+        planner.observe_verify("good", 4, 4, tree=False)
+        planner.observe_verify("bad", 4, 0, tree=False)
+    batch = [item("bad", 4), item("good", 4)]
+    planner.plan(batch)
+    assert batch[0].max_depth == 0 and batch[1].max_depth >= 1
+
+
+def test_tree_is_all_or_nothing() -> None:
+    planner = AdaptiveSpeculation(CostModel([1, 64], [0.01, 0.012]), tree_mode=True)
+    batch = [item("t", 4)]
+    batch[0].num_lookahead = 16
+    planner.plan(batch)
+    assert (batch[0].max_depth, batch[0].num_lookahead) == (4, 16)
+    slow = AdaptiveSpeculation(linear_cost(), tree_mode=True)
+    batch = [item("t", 4)]
+    batch[0].num_lookahead = 16
+    slow.plan(batch)
+    assert (batch[0].max_depth, batch[0].num_lookahead) == (0, 0)
+
+
+def test_prefill_rows_count_in_the_cost() -> None:
+    """A long prefill chunk in the same forward makes a few more draft rows nearly free."""
+    cost = CostModel([1, 64, 512], [0.01, 0.02, 0.6])
+    planner = AdaptiveSpeculation(cost, tree_mode=False)
+    alone = [item("a", 4)]
+    planner.plan(alone)
+    with_prefill = [item("a", 4), item("p", 0, prefill=True)]
+    with_prefill[1].num_new_tokens = 60
+    planner.plan(with_prefill)
+    assert with_prefill[0].max_depth >= 1
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_tree"])
+def test_adaptive_engine_is_lossless(tiny_model_dir: Any, tiny_draft_dir: Any, method: str) -> None:
+    configs: dict[str, dict[str, Any]] = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+        "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_draft_dir)},
+        "draft_tree": {"method": "draft_model", "num_speculative_tokens": 3, "num_tree_nodes": 6,
+                       "model": str(tiny_draft_dir)},
+    }
+    plain = LLM(str(tiny_model_dir), max_model_len=256)
+    spec = LLM(str(tiny_model_dir), max_model_len=256, speculative_config={**configs[method], "adaptive": True})
+    planner = spec.engine.speculation
+    assert planner is not None
+    planner.cost = CostModel([1, 4, 64], [0.01, 0.0125, 0.5])  # some drafts pay, long ones not
+    for seed in range(4):
+        prompts = random_prompts(seed, 4)
+        assert token_ids(spec.generate(prompts, greedy())) == token_ids(plain.generate(prompts, greedy()))
+    metrics = spec.get_metrics()
+    assert metrics["num_drafts"] > 0
+    assert sum(metrics["num_accepted_tokens_per_pos"]) == metrics["num_accepted_tokens"]
+    assert not planner.stats.requests  # finished requests are forgotten
+    assert_all_blocks_free(spec)
+
+
+def test_calibration_measures_a_rising_curve(tiny_model_dir: Any) -> None:
+    spec = LLM(str(tiny_model_dir), max_model_len=256,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": True})
+    cost = spec.engine.speculation.cost  # type: ignore[union-attr]
+    assert len(cost.seconds) == len(cost.sizes) and all(s > 0 for s in cost.seconds)
+    assert cost.seconds[-1] > cost.seconds[0]
