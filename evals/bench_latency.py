@@ -36,6 +36,8 @@ PRESETS: dict[str, dict[str, Any] | None] = {
     "medusa-tree": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 24, "model": str(MEDUSA_DIR)},
     "medusa-tree4": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 4, "model": str(MEDUSA_DIR)},
 }
+# "<preset>-adaptive": the same drafter with adaptive speculation (k chosen per step, down to 0).
+PRESETS.update({f"{name}-adaptive": {**config, "adaptive": True} for name, config in PRESETS.items() if config})
 
 
 class HFRunner:
@@ -108,20 +110,26 @@ def _row(category: str, method: str, s: dict[str, Any], stats: dict[str, dict[st
     }
 
 
-def bench_concurrency(args: argparse.Namespace, llm: LLM) -> list[dict[str, Any]]:
+def bench_concurrency(args: argparse.Namespace, runners: dict[str, Any]) -> list[dict[str, Any]]:
+    """Total tok/s of each engine method at each concurrency, methods alternating per level."""
     texts = [t for c in args.categories for t in load_prompts(c, 64)]
+    methods = [m for m in args.methods if isinstance(runners[m], LLM)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     results = []
     for concurrency in args.concurrency:
-        prompts = [llm.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}])
+        prompts = [runners[methods[0]].apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}])
                    for i in range(concurrency)]
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        outs, seconds = timed(lambda: llm.generate(prompts, params))
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        results.append({"concurrency": concurrency, "tokens": tokens, "seconds": seconds,
-                        "tokens_per_s": tokens / seconds})
-    base = results[0]["tokens_per_s"]
+        for method in methods:
+            outs, seconds = timed(lambda: runners[method].generate(prompts, params))
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            results.append({"concurrency": concurrency, "method": method, "tokens": tokens, "seconds": seconds,
+                            "tokens_per_s": tokens / seconds})
+            print(f"concurrency {concurrency} {method}: {tokens / seconds:.1f} tok/s", file=sys.stderr, flush=True)
     for r in results:
-        r["vs_concurrency_1"] = r["tokens_per_s"] / base
+        same_level = {x["method"]: x["tokens_per_s"] for x in results if x["concurrency"] == r["concurrency"]}
+        first_level = {x["method"]: x["tokens_per_s"] for x in results if x["concurrency"] == args.concurrency[0]}
+        r["vs_plain"] = r["tokens_per_s"] / same_level["plain"] if "plain" in same_level else float("nan")
+        r["vs_first_level"] = r["tokens_per_s"] / first_level[r["method"]]
     return results
 
 
@@ -151,12 +159,12 @@ def main() -> None:
     print(markdown_table(["method", "input-grounded tok/s", "vs plain", "other tok/s", "vs plain"],
                          _summary(report["batch1"], args.methods)))
     if args.concurrency:
-        llm = runners.get("plain") or LLM(args.model, max_model_len=args.max_model_len)
-        report["concurrency"] = bench_concurrency(args, llm)
+        report["concurrency"] = bench_concurrency(args, runners)
         print()
-        print(markdown_table(["concurrency", "tokens", "seconds", "total tok/s", "vs 1"],
-                             [[r["concurrency"], r["tokens"], r["seconds"], r["tokens_per_s"], r["vs_concurrency_1"]]
-                              for r in report["concurrency"]]))
+        print(markdown_table(["concurrency", "method", "tokens", "seconds", "total tok/s", "vs plain",
+                              f"vs concurrency {args.concurrency[0]}"],
+                             [[r["concurrency"], r["method"], r["tokens"], r["seconds"], r["tokens_per_s"],
+                               r["vs_plain"], r["vs_first_level"]] for r in report["concurrency"]]))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 
