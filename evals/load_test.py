@@ -13,8 +13,8 @@ exits 1 when a check fails:
 - kv_blocks_free: once the clients are done, no KV block is in use and no request is
   running or waiting (the /metrics gauges);
 - rss_flat: the server's resident memory peaks no more than --max-rss-growth-mb higher
-  in the second half of the run than in the first (from /proc/<pid>/status when this
-  script started the server, else from /metrics' process_resident_memory_bytes);
+  in the second half of the load window than in the first (from /proc/<pid>/status when
+  this script started the server, else from /metrics' process_resident_memory_bytes);
 - served: at least one request completed.
 
     OMP_NUM_THREADS=1 .venv/bin/python evals/load_test.py --start-server \\
@@ -45,7 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from specdec.evals.bench_serving import check_local, percentile
+from specdec.evals.bench_serving import (
+    acceptance,
+    check_local,
+    counter_delta,
+    percentile,
+    spec_counters,
+)
 from specdec.evals.common import markdown_table
 
 from specdec.model_registry import DEFAULT_MODEL
@@ -216,10 +222,12 @@ async def settle(client: httpx.AsyncClient, timeout: float) -> dict[str, float |
 @dataclass
 class Run:
     outcomes: list[Outcome]
-    duration: float
-    rss: list[tuple[float, float]]
+    elapsed: float  # the load window plus the tail of the requests still running at its end
+    rss: list[tuple[float, float]]  # (seconds since start, MiB) over the load window
+    rss_after: float | None  # MiB once every request is done
     gauges: dict[str, float | None]
     preemptions: int | None
+    spec_decode: dict[str, float]  # draft acceptance over the run ({} without speculation)
     max_model_len: int
     rss_source: str  # "/proc" (our own server) or "/metrics"
 
@@ -230,19 +238,24 @@ async def load(base_url: str, pid: int | None, args: argparse.Namespace) -> Run:
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=args.timeout, limits=limits) as client:
         model_card = (await client.get("/v1/models")).json()["data"][0]
         preempted_before = metric(await scrape(client), "specdec:num_preemptions_total")
+        spec_before = await spec_counters(client)
         outcomes: list[Outcome] = []
         rss: list[tuple[float, float]] = []
         start = time.monotonic()
         sampler = asyncio.create_task(sample_rss(client, pid, start, args.rss_interval, rss))
         rngs = [random.Random(f"{args.seed}-{i}") for i in range(args.clients)]
-        await asyncio.gather(*(client_loop(client, rng, args, model_card["id"], start + args.duration, outcomes)
-                               for rng in rngs))
-        duration = time.monotonic() - start
-        sampler.cancel()
+        clients = asyncio.gather(*(client_loop(client, rng, args, model_card["id"], start + args.duration,
+                                               outcomes) for rng in rngs))
+        await asyncio.sleep(args.duration)
+        sampler.cancel()  # RSS halves compare steady load, not the draining tail
+        await clients
+        elapsed = time.monotonic() - start
         gauges = await settle(client, args.settle_timeout)
         preempted_after = metric(await scrape(client), "specdec:num_preemptions_total")
+        spec = acceptance(counter_delta(spec_before, await spec_counters(client)))
+        rss_after = await rss_mib(client, pid)
     preemptions = None if preempted_after is None else int(preempted_after - (preempted_before or 0.0))
-    return Run(outcomes, duration, rss, gauges, preemptions, int(model_card["max_model_len"]),
+    return Run(outcomes, elapsed, rss, rss_after, gauges, preemptions, spec, int(model_card["max_model_len"]),
                "/metrics" if pid is None else "/proc")
 
 
@@ -265,7 +278,7 @@ def finish_problem(outcome: Outcome, max_model_len: int) -> str | None:
 
 
 def rss_halves(samples: list[tuple[float, float]], duration: float) -> tuple[float | None, float | None]:
-    """Peak RSS (MiB) of the first and of the second half of the run."""
+    """Peak RSS (MiB) of the first and of the second half of the load window."""
     first = [v for t, v in samples if t < duration / 2]
     second = [v for t, v in samples if t >= duration / 2]
     return (max(first) if first else None), (max(second) if second else None)
@@ -295,21 +308,22 @@ def summarize(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     completed = [o for o in outcomes if not o.error and not o.cancelled]
     problems = [(o, p) for o in completed if (p := finish_problem(o, run.max_model_len))]
     ttfts = [o.ttft * 1000 for o in outcomes if o.ttft is not None]
-    first, second = rss_halves(run.rss, run.duration)
+    first, second = rss_halves(run.rss, args.duration)
     tokens = sum(o.completion_tokens or 0 for o in completed)
     summary: dict[str, Any] = {
-        "clients": args.clients, "duration_s": round(run.duration, 2), "requests": len(outcomes),
+        "clients": args.clients, "duration_s": args.duration, "elapsed_s": round(run.elapsed, 2),
+        "requests": len(outcomes),
         "completed": len(completed), "cancelled": sum(o.cancelled for o in outcomes), "errors": len(failed),
         "server_errors": sum(o.server_error for o in outcomes),
         "non_speculative": sum(not o.plan.body["speculative"] for o in outcomes),
         "finish_reasons": dict(Counter(str(o.finish_reason) for o in completed)),
-        "requests_per_s": round(len(completed) / run.duration, 2) if run.duration else 0.0,
-        "output_tokens_per_s": round(tokens / run.duration, 1) if run.duration else 0.0,
+        "requests_per_s": round(len(completed) / run.elapsed, 2),
+        "output_tokens_per_s": round(tokens / run.elapsed, 1),
         "ttft_ms": {"p50": round(percentile(ttfts, 50), 1), "p99": round(percentile(ttfts, 99), 1)},
         "rss_first_half_mib": first, "rss_second_half_mib": second,
         "rss_growth_mib": None if first is None or second is None else round(second - first, 1),
-        "rss_source": run.rss_source,
-        "preemptions": run.preemptions, "kv_after": run.gauges,
+        "rss_after_mib": run.rss_after, "rss_source": run.rss_source,
+        "preemptions": run.preemptions, "spec_decode": run.spec_decode, "kv_after": run.gauges,
         "error_samples": [f"{n}x {e}" for e, n in Counter(o.error for o in failed).most_common(5)],
         "finish_reason_problems": [f"{o.plan.route}: {p}" for o, p in problems[:5]],
     }
@@ -320,7 +334,8 @@ def summarize(run: Run, args: argparse.Namespace) -> dict[str, Any]:
 
 def report_table(summary: dict[str, Any]) -> str:
     rows: list[list[Any]] = [
-        ["clients / duration (s)", f"{summary['clients']} / {summary['duration_s']}"],
+        ["clients / duration / elapsed (s)",
+         f"{summary['clients']} / {summary['duration_s']} / {summary['elapsed_s']}"],
         ["requests (completed / cancelled / failed)",
          f"{summary['requests']} ({summary['completed']} / {summary['cancelled']} / {summary['errors']})"],
         ["non-speculative requests", summary["non_speculative"]],
@@ -329,8 +344,9 @@ def report_table(summary: dict[str, Any]) -> str:
         ["TTFT p50 / p99 (ms)", f"{summary['ttft_ms']['p50']} / {summary['ttft_ms']['p99']}"],
         ["RSS first / second half peak (MiB)",
          f"{_mib(summary['rss_first_half_mib'])} / {_mib(summary['rss_second_half_mib'])}"],
-        ["RSS growth (MiB)", summary["rss_growth_mib"]],
+        ["RSS growth (MiB), after the run", f"{summary['rss_growth_mib']}, {_mib(summary['rss_after_mib'])}"],
         ["preemptions", summary["preemptions"]],
+        ["draft acceptance rate", _ratio(summary["spec_decode"].get("acceptance_rate"))],
     ]
     rows += [[f"check {name}", ("PASS " if c["ok"] else "FAIL ") + c["detail"]]
              for name, c in summary["checks"].items()]
@@ -339,6 +355,10 @@ def report_table(summary: dict[str, Any]) -> str:
 
 def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 # ---- a server of our own -----------------------------------------------------------------

@@ -4,6 +4,12 @@ Every scheduled request simply gets some number of new tokens: a prefill chunk, 
 decode token, or one token plus lookahead slots for draft tokens to verify. Running
 requests go first (oldest first); when KV blocks run out the newest running request is
 preempted and later recomputed from scratch.
+
+No request starves: waiting requests are admitted strictly from the front (admission
+stops at the first that does not fit), and victims, taken newest first, go back to the
+front, so the queue stays in arrival order and every running request arrived before
+every waiting one. The oldest unfinished request is therefore always running, scheduled
+first and never the victim (tests/engine/test_kv_exhaustion.py checks this).
 """
 from __future__ import annotations
 

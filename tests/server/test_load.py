@@ -35,6 +35,7 @@ def test_short_load_run_passes_every_check(load_test: ModuleType, server: Runnin
     assert summary["ok"] and all(check["ok"] for check in summary["checks"].values())
     assert summary["completed"] > 16 and summary["cancelled"] > 0 and summary["non_speculative"] > 0
     assert summary["preemptions"] > 0  # the pool overflowed, and everything still finished
+    assert summary["spec_decode"]["num_drafts"] > 0
     assert summary["rss_source"] == "/metrics" and summary["rss_first_half_mib"] > 0
     assert all_blocks_free(server)
 
