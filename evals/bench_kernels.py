@@ -125,9 +125,9 @@ class VerifyRig:
         kv = KVCache(mc.num_layers, num_blocks, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim,
                      torch.float32, torch.device("cpu"))
         gen = torch.Generator().manual_seed(0)
-        for k_cache, v_cache in kv.layers:  # plausible cache contents (timings don't care)
-            k_cache.normal_(generator=gen)
-            v_cache.normal_(generator=gen)
+        for layer in kv.layers:  # plausible cache contents (timings don't care)
+            layer.k.normal_(generator=gen)
+            layer.v.normal_(generator=gen)
         self.runner = ModelRunner(model, config, kv, torch.device("cpu"))
         self.tokens = torch.randint(3, mc.vocab_size, (max_tokens,), generator=gen).tolist()
         self.block_table = list(range(num_blocks))

@@ -9,7 +9,9 @@ speculation stays token-identical. A request's keys are gathered from the paged 
 once per layer; a row whose visible keys are a prefix of them (decodes, chains) attends to
 a view, and only tree rows off the first path copy their own key set. Each long prefill
 chunk runs on its own with a causal mask. Index tensors are built once per step
-(`_plan`) and reused by every layer.
+(`_plan`) and reused by every layer. The cache may hold fp16, bf16 or fp8 (with per-slot
+scales, see kv_cache.py); gathered keys are dequantised into the query's dtype, slot by
+slot, so row invariance holds for every cache dtype.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdec.kernels.kv_cache import PagedKV, dequantize_fp8, quantize_fp8, slot_rows
 from specdec.kernels.metadata import AttentionMetadata
 
 _SHORT_QUERY = 64  # queries up to this long are computed row by row
@@ -35,12 +38,31 @@ class _Group:
 def store_kv_ref(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    kv: PagedKV,
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for x, cache, scale in ((key, kv.k, kv.k_scale), (value, kv.v, kv.v_scale)):
+        if scale is None:
+            slot_rows(cache).index_copy_(0, slot_mapping, x.to(cache.dtype))
+            continue
+        data, x_scale = quantize_fp8(x)
+        slot_rows(cache).index_copy_(0, slot_mapping, data.view(torch.uint8))
+        slot_rows(scale).index_copy_(0, slot_mapping, x_scale)
+
+
+def gather_kv_ref(kv: PagedKV,
+                  slots: torch.Tensor,  # [...] flat slots
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # k, v: [..., Hkv, D]
+    """K and V of the given slots in `dtype`, fp8 dequantised (in fp32, then cast)."""
+    return _dequant(kv.k, kv.k_scale, slots, dtype), _dequant(kv.v, kv.v_scale, slots, dtype)
+
+
+def _dequant(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor,
+             dtype: torch.dtype) -> torch.Tensor:
+    data = _gather(cache, slots)
+    if scale is None:
+        return data.to(dtype)
+    return dequantize_fp8(data, _gather(scale, slots)).to(dtype)
 
 
 @dataclass
@@ -55,27 +77,25 @@ class _RequestRows:
 
 def paged_attention_ref(
     query: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    kv: PagedKV,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     out = torch.empty_like(query)
-    requests, prefill_groups = _plan(meta, k_cache.shape[1], query.device)
+    requests, prefill_groups = _plan(meta, kv.block_size, query.device)
     for request in requests:
-        k = _gather(k_cache, request.slots).to(query.dtype)  # [S, Hkv, D]
-        v = _gather(v_cache, request.slots).to(query.dtype)
+        k, v = gather_kv_ref(kv, request.slots, query.dtype)  # [S, Hkv, D]
         for row, visible in request.rows:
             out[row] = _attend_row(query[row], k, v, visible, scale)
     for group in prefill_groups:
-        result = _attend(query, k_cache, v_cache, group, scale)  # [G, Qmax, Hq, D]
+        result = _attend(query, kv, group, scale)  # [G, Qmax, Hq, D]
         out[group.out_rows] = result.reshape(-1, *query.shape[1:])[group.valid]
     return out
 
 
-def _gather(cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+def _gather(cache: torch.Tensor,  # [num_blocks, block_size, *inner]: data or scales
             slots: torch.Tensor,  # [...] flat slots
-            ) -> torch.Tensor:  # [..., Hkv, D]
+            ) -> torch.Tensor:  # [..., *inner]
     """index_select, not advanced indexing: the same copy, about five times faster on CPU."""
     flat = cache.view(-1, *cache.shape[2:])
     return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:])
@@ -94,11 +114,10 @@ def _attend_row(q: torch.Tensor,  # [Hq, D]
     return out[0, :, 0]
 
 
-def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
+def _attend(query: torch.Tensor, kv: PagedKV, group: _Group,
             scale: float) -> torch.Tensor:  # [G, Qmax, Hq, D]
     q = query[group.query_index].transpose(1, 2)  # [G, Hq, Qmax, D]
-    k = _gather(k_cache, group.slots).transpose(1, 2).to(q.dtype)  # [G, Hkv, L, D]
-    v = _gather(v_cache, group.slots).transpose(1, 2).to(q.dtype)
+    k, v = (t.transpose(1, 2) for t in gather_kv_ref(kv, group.slots, q.dtype))  # [G, Hkv, L, D]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)

@@ -5,6 +5,8 @@ BLOCK_Q consecutive query tokens of one request; its rows are those tokens times
 GQA group of query heads sharing the kv head, so K/V are read once per group and the
 tile is big enough for tl.dot even at decode (q_len=1). Each program walks the request's
 context in tiles of BLOCK_N positions read through the block table, with online softmax.
+Caches may be fp32, fp16, bf16 or fp8 (e4m3 with per-slot, per-head scales, see
+kv_cache.py): K/V tiles are upcast (fp8: times their scales) as they are loaded.
 """
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
 
 BLOCK_M = 16  # rows per program (tokens x heads); tl.dot needs at least 16
 BLOCK_N = 32  # context positions per inner-loop tile
+FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value (kv_cache.FP8_MAX)
+MIN_SCALE = tl.constexpr(1.1754943508222875e-38)  # float32 tiny (kv_cache._MIN_SCALE)
 
 
 @triton.jit
@@ -26,42 +31,63 @@ def _store_kv_kernel(
     value_ptr,  # [T, Hkv, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    k_scale_ptr,  # [num_blocks, block_size, Hkv] float32 (unused unless IS_FP8)
+    v_scale_ptr,  # [num_blocks, block_size, Hkv] float32 (unused unless IS_FP8)
     slot_ptr,  # [T] int64
     s_kt, s_kh, s_vt, s_vh,  # key/value strides (token, head); last dim contiguous
-    s_cslot, s_ch,  # cache strides (flat slot, head); both caches share a layout
-    H: tl.constexpr, D: tl.constexpr, H_P: tl.constexpr, D_P: tl.constexpr,
+    s_cslot, s_ch, s_sslot,  # cache strides (flat slot, head), scale slot stride; heads contiguous
+    H: tl.constexpr, D: tl.constexpr, H_P: tl.constexpr, D_P: tl.constexpr, IS_FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:  # negative slots mark padding tokens that own no cache entry
-        h = tl.arange(0, H_P)[:, None]
+        heads = tl.arange(0, H_P)
+        h = heads[:, None]
         d = tl.arange(0, D_P)[None, :]
         m = (h < H) & (d < D)
-        k = tl.load(key_ptr + t * s_kt + h * s_kh + d, mask=m)
-        v = tl.load(value_ptr + t * s_vt + h * s_vh + d, mask=m)
+        k = tl.load(key_ptr + t * s_kt + h * s_kh + d, mask=m, other=0.0)
+        v = tl.load(value_ptr + t * s_vt + h * s_vh + d, mask=m, other=0.0)
         dst = slot * s_cslot + h * s_ch + d
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=m)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=m)
+        scale_dst = slot * s_sslot + heads
+        _store_row(k, k_cache_ptr + dst, k_scale_ptr + scale_dst, m, heads < H, IS_FP8)
+        _store_row(v, v_cache_ptr + dst, v_scale_ptr + scale_dst, m, heads < H, IS_FP8)
+
+
+@triton.jit
+def _store_row(x, ptrs, scale_ptrs, mask, head_ok, IS_FP8: tl.constexpr):
+    """Store [H_P, D_P] values; fp8 as x / scale with scale = amax over D / 448 per head."""
+    if IS_FP8:
+        scale = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), 1) / FP8_MAX, MIN_SCALE)  # [H_P]
+        x = tl.clamp(x.to(tl.float32) / scale[:, None], -FP8_MAX, FP8_MAX)
+        tl.store(scale_ptrs, scale, mask=head_ok)
+    tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
 
 def store_kv_triton(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous
+    kv: PagedKV,  # contiguous tensors
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
     T, H, D = key.shape
     if T == 0:
         return
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert all(t.is_contiguous() for t in kv.tensors())
     assert key.stride(2) == 1 and value.stride(2) == 1
+    k_scale, v_scale = _scales(kv)
     _store_kv_kernel[(T,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, kv.k, kv.v, k_scale, v_scale, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(1), k_cache.stride(2),
-        H=H, D=D, H_P=triton.next_power_of_2(H), D_P=triton.next_power_of_2(D),
+        kv.k.stride(1), kv.k.stride(2), k_scale.stride(1),
+        H=H, D=D, H_P=triton.next_power_of_2(H), D_P=triton.next_power_of_2(D), IS_FP8=kv.is_fp8,
     )
+
+
+def _scales(kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale tensors, or (for unscaled caches) the data as never-read placeholders."""
+    if kv.k_scale is None or kv.v_scale is None:
+        return kv.k, kv.v
+    return kv.k_scale, kv.v_scale
 
 
 @triton.jit
@@ -69,6 +95,8 @@ def _paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    k_scale_ptr,  # [num_blocks, block_size, Hkv] float32 (unused unless IS_FP8)
+    v_scale_ptr,  # [num_blocks, block_size, Hkv] float32 (unused unless IS_FP8)
     out_ptr,  # [T, Hq, D]
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
@@ -78,11 +106,12 @@ def _paged_attention_kernel(
     tile_q0_ptr,  # [num_tiles] int32: first query index of the tile within its request
     s_qt, s_qh, s_ot, s_oh,  # query/output strides (token, head)
     s_cb, s_cs, s_ch,  # cache strides (block, slot in block, head); both caches alike
+    s_sb, s_ss,  # scale strides (block, slot in block); heads contiguous
     s_bt, s_tm,  # block-table row stride, tree-mask row stride
     qk_scale,  # softmax scale * log2(e): scores go through exp2
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr,
-    D: tl.constexpr, D_P: tl.constexpr, IS_TREE: tl.constexpr,
+    D: tl.constexpr, D_P: tl.constexpr, IS_TREE: tl.constexpr, IS_FP8: tl.constexpr,
 ):
     tile, kvh = tl.program_id(0), tl.program_id(1)
     req = tl.load(tile_req_ptr + tile)
@@ -119,9 +148,11 @@ def _paged_attention_kernel(
         pos_ok = pos < ctx_end
         blk = tl.load(block_tables_ptr + req * s_bt + pos // KV_BLOCK, mask=pos_ok, other=0)
         kv_off = blk.to(tl.int64) * s_cb + (pos % KV_BLOCK) * s_cs + kvh * s_ch
+        scale_off = blk.to(tl.int64) * s_sb + (pos % KV_BLOCK) * s_ss + kvh
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        offs = kv_off[:, None] + d[None, :]
+        k = _load_kv(k_cache_ptr + offs, k_scale_ptr + scale_off, kv_mask, pos_ok, IS_FP8)
+        v = _load_kv(v_cache_ptr + offs, v_scale_ptr + scale_off, kv_mask, pos_ok, IS_FP8)
 
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale  # [M, N]
         visible = _visible(pos, qi, tok, row_ok, prefix, q_len, tree_mask_ptr, s_tm, IS_TREE)
@@ -137,6 +168,15 @@ def _paged_attention_kernel(
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _load_kv(ptrs, scale_ptrs, mask, pos_ok, IS_FP8: tl.constexpr):
+    """[N, D_P] keys or values; fp8 dequantised to float32 with each position's scale."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if IS_FP8:
+        x = x.to(tl.float32) * tl.load(scale_ptrs, mask=pos_ok, other=0.0)[:, None]
+    return x
 
 
 @triton.jit
@@ -169,17 +209,19 @@ def _tile_index(
 
 def paged_attention_triton(
     query: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    kv: PagedKV,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     T, Hq, D = query.shape
+    k_cache, v_cache = kv.k, kv.v
     Hkv, kv_block = k_cache.shape[2], k_cache.shape[1]
     out = torch.empty_like(query)
     if T == 0:
         return out
     assert query.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    k_scale, v_scale = _scales(kv)
+    assert k_scale.stride() == v_scale.stride() and (not kv.is_fp8 or k_scale.stride(2) == 1)
     group_p = triton.next_power_of_2(Hq // Hkv)
     block_q = max(1, BLOCK_M // group_p)
     tile_req, tile_q0 = _tile_index(tuple(meta.query_lens_cpu), block_q, query.device)
@@ -187,12 +229,13 @@ def paged_attention_triton(
     tree = tile_req if meta.tree_mask is None else meta.tree_mask.contiguous().view(torch.uint8)
     s_tm = 0 if meta.tree_mask is None else tree.stride(0)
     _paged_attention_kernel[(tile_req.numel(), Hkv)](
-        query, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        tree, tile_req, tile_q0,
+        query, k_cache, v_cache, k_scale, v_scale, out,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc, tree, tile_req, tile_q0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale.stride(0), k_scale.stride(1),
         meta.block_tables.stride(0), s_tm, scale * 1.4426950408889634,
         GROUP=Hq // Hkv, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         KV_BLOCK=kv_block, D=D, D_P=triton.next_power_of_2(D), IS_TREE=meta.tree_mask is not None,
+        IS_FP8=kv.is_fp8,
     )
     return out

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import torch
 
+from specdec.kernels.kv_cache import PagedKV, slot_rows
+
 
 def move_kv(
-    layers: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v): [num_blocks, block_size, Hkv, D]
+    layers: list[PagedKV],
     src_slots: torch.Tensor,  # [M] int64 flat slots to read
     dst_slots: torch.Tensor,  # [M] int64 flat slots to write
 ) -> None:
-    for k_cache, v_cache in layers:
-        for cache in (k_cache, v_cache):
-            flat = cache.view(-1, *cache.shape[2:])
+    """Copy K, V and (fp8) their scales from src to dst slots in every layer."""
+    for layer in layers:
+        for cache in layer.tensors():
+            flat = slot_rows(cache)
             # Gather first: a destination may be another move's source.
             flat.index_copy_(0, dst_slots.to(flat.device), flat[src_slots.to(flat.device)])

@@ -12,6 +12,10 @@ from typing import Any
 
 from specdec.model_registry import DEFAULT_MODEL, KNOWN_MODELS, pull
 
+# The keys of specdec.config.KV_CACHE_DTYPES (a test checks), spelled out to keep torch
+# out of the argument parser.
+KV_CACHE_DTYPE_NAMES = ("auto", "fp32", "fp16", "bf16", "fp8")
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", type=json.loads, default=None,
@@ -20,6 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_NAMES,
+                        help="KV cache storage dtype (auto: the model dtype); fp16/bf16 halve KV memory, "
+                             "fp8 (e4m3 with per-token, per-head scales) about quarters it")
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--linear-backend", default="auto",
@@ -32,7 +39,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         speculative_config=args.speculative_config, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+        enable_prefix_caching=args.enable_prefix_caching,
         dtype=args.dtype, seed=args.seed, linear_backend=args.linear_backend,
     )
 

@@ -8,6 +8,11 @@ import torch
 
 METHODS = ("ngram", "draft_model", "medusa")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~23k tokens of KV for the default model in fp32
+# KV cache storage dtypes (vLLM's --kv-cache-dtype); "auto" stores K/V in the model dtype.
+# fp8 is float8_e4m3fn with one float32 scale per (slot, kv head): see kernels/kv_cache.py.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+}
 
 
 @dataclass
@@ -66,6 +71,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     block_size: int = 16
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
+    kv_cache_dtype: str = "auto"  # a key of KV_CACHE_DTYPES
     enable_prefix_caching: bool = False
     speculative_config: SpeculativeConfig | None = None
     dtype: torch.dtype = torch.float32
@@ -84,6 +90,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}")
         from specdec.models.linear import default_linear_backend, get_linear_backend
 
         if self.linear_backend == "auto":
@@ -93,3 +101,8 @@ class EngineConfig:
         if self.linear_backend != "fp32" and self.dtype != torch.float32:
             raise ValueError(f"linear_backend {self.linear_backend!r} needs dtype float32 "
                              f"(activations stay fp32), got {self.dtype}")
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache's storage dtype: kv_cache_dtype, or the model dtype for "auto"."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or self.dtype

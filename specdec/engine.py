@@ -41,7 +41,8 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
         self.block_manager = BlockManager(self._num_blocks(), config.block_size, config.enable_prefix_caching)
         kv_cache = KVCache(self.model_config.num_layers, self.block_manager.num_blocks, config.block_size,
-                           self.model_config.num_kv_heads, self.model_config.head_dim, config.dtype, self.device)
+                           self.model_config.num_kv_heads, self.model_config.head_dim, config.kv_cache_torch_dtype,
+                           self.device)
         self.runner = ModelRunner(self.model, config, kv_cache, self.device)
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
@@ -52,7 +53,7 @@ class LLMEngine:
     def _num_blocks(self) -> int:
         mc = self.model_config
         per_block = KVCache.bytes_per_block(mc.num_layers, self.config.block_size, mc.num_kv_heads,
-                                            mc.head_dim, self.config.dtype)
+                                            mc.head_dim, self.config.kv_cache_torch_dtype)
         num_blocks = int(self.config.kv_cache_memory // per_block)
         # One request of max_model_len tokens (plus its lookahead) must always fit, or it
         # could never finish.

@@ -30,6 +30,7 @@ class LLM:
         max_num_seqs: int = 64,
         block_size: int = 16,
         kv_cache_memory: int | None = None,
+        kv_cache_dtype: str = "auto",
         enable_prefix_caching: bool = False,
         dtype: str = "float32",
         seed: int = 0,
@@ -39,7 +40,8 @@ class LLM:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         config = EngineConfig(
             model=model, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+            enable_prefix_caching=enable_prefix_caching,
             speculative_config=SpeculativeConfig.from_dict(speculative_config), dtype=_DTYPES[dtype], seed=seed,
             linear_backend=linear_backend,
         )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import EngineConfig
+from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
 from specdec.models import LlamaForCausalLM
 from specdec.scheduler import ScheduledRequest
@@ -19,21 +20,18 @@ class ForwardOutput:
 
 
 class KVCache:
-    """One (k, v) tensor pair per layer, each [num_blocks, block_size, Hkv, D]."""
+    """One PagedKV per layer: k, v [num_blocks, block_size, Hkv, D] in the KV cache dtype
+    (plus per-slot scales for fp8, see specdec/kernels/kv_cache.py)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # Zeros, not empty: masked-out slots are still multiplied by zero weights.
-        self.layers = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
+        self.layers = [PagedKV.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+                       for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        return num_layers * block_size * PagedKV.bytes_per_slot(num_kv_heads, head_dim, dtype)
 
 
 class ModelRunner:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specdec.kernels import AttentionMetadata
+from specdec.kernels import AttentionMetadata, PagedKV
 
 
 def make_kv_caches(
@@ -16,16 +16,19 @@ def make_kv_caches(
     head_dim: int,
     dtype: torch.dtype = torch.float32,
     fill: float = 0.0,
-) -> list[tuple[Tensor, Tensor]]:
-    """One (k_cache, v_cache) per layer, each [num_blocks, block_size, Hkv, D].
+) -> list[PagedKV]:
+    """One PagedKV per layer, k and v each [num_blocks, block_size, Hkv, D].
 
     fill=nan makes any read of a slot nobody wrote show up in the output.
     """
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        (torch.full(shape, fill, dtype=dtype), torch.full(shape, fill, dtype=dtype))
+    caches = [
+        PagedKV.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype)
         for _ in range(num_layers)
     ]
+    for cache in caches:
+        for t in cache.tensors():
+            t.fill_(fill)
+    return caches
 
 
 def random_block_table(

@@ -25,13 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.kernels import AttentionMetadata, paged_attention, store_kv
+from specdec.kernels import AttentionMetadata, PagedKV, paged_attention, store_kv
 from specdec.models.config import ModelConfig, RopeConfig
 
 if TYPE_CHECKING:
     from specdec.models.linear import LinearBackend
-
-KVCache = tuple[Tensor, Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -153,7 +151,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden: Tensor,  # [T, hidden]
         cos: Tensor,  # [T, 1, D]
         sin: Tensor,  # [T, 1, D]
-        kv_cache: KVCache,
+        kv_cache: PagedKV,
         meta: AttentionMetadata,
     ) -> Tensor:  # [T, hidden]
         attn_in = rms_norm(hidden, self.input_norm, self.eps)
@@ -166,7 +164,7 @@ class LlamaDecoderLayer(nn.Module):
         x: Tensor,  # [T, hidden], normalised
         cos: Tensor,  # [T, 1, D]
         sin: Tensor,  # [T, 1, D]
-        kv_cache: KVCache,
+        kv_cache: PagedKV,
         meta: AttentionMetadata,
     ) -> Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
@@ -180,9 +178,8 @@ class LlamaDecoderLayer(nn.Module):
             qk = rms_norm(qk, self.qk_norm, self.eps)
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        out = paged_attention(q, kv_cache, meta, self.scale)  # [T, Hq, D]
         if self.linear is None:
             return F.linear(out.reshape(num_tokens, -1), self.o_proj, self.o_bias)
         return self.linear.apply(out.reshape(num_tokens, -1), self.o_packed)
@@ -257,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: Tensor,  # [T] int64
         positions: Tensor,  # [T] int64, RoPE positions (tree nodes: prefix_len + depth)
-        kv_caches: list[KVCache],  # one per layer
+        kv_caches: list[PagedKV],  # one per layer
         meta: AttentionMetadata,
     ) -> Tensor:  # [T, hidden], after the final norm
         hidden = F.embedding(input_ids, self.embed_tokens)

@@ -69,3 +69,16 @@ def test_greedy_speculation_equals_plain(llm: LLM, name: str) -> None:
     assert metrics["num_accepted_tokens"] > 0
     bm = spec.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft_tree"])
+def test_greedy_speculation_equals_plain_with_fp8_kv(name: str) -> None:
+    """fp8 KV rounds per slot: verify rows (and moved tree paths, scales included) must
+    store and read exactly what plain decoding does."""
+    plain = LLM(DEFAULT_MODEL, max_model_len=1024, kv_cache_dtype="fp8")
+    spec = LLM(DEFAULT_MODEL, max_model_len=1024, kv_cache_dtype="fp8", speculative_config=CONFIGS[name])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    prompts = [chat_ids(plain, c) for c in CHATS]
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
+    assert spec.get_metrics()["num_accepted_tokens"] > 0

@@ -15,6 +15,7 @@ import triton.language as tl  # noqa: E402
 
 from specdec.kernels import attention_triton  # noqa: E402
 from specdec.kernels.attention_ref import paged_attention_ref, store_kv_ref  # noqa: E402
+from specdec.kernels.kv_cache import PagedKV  # noqa: E402
 from specdec.kernels.metadata import AttentionMetadata  # noqa: E402
 
 assert type(tl.max).__name__ == "InterpretedFunction", (
@@ -87,13 +88,13 @@ def tree_mask_from_parents(parents: list[int]) -> torch.Tensor:  # [n, n] bool
 def random_inputs(
     meta: AttentionMetadata, num_blocks: int, block_size: int, hq: int, hkv: int, d: int,
     gen: torch.Generator, dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, PagedKV]:
     """Query [T, Hq, D] and caches filled with noise everywhere, query K/V included."""
     T = int(meta.query_start_loc[-1])
     q = torch.randn(T, hq, d, generator=gen).to(dtype)
     k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
-    return q, k_cache, v_cache
+    return q, PagedKV(k_cache, v_cache)
 
 
 def dense_attention(
@@ -151,9 +152,9 @@ def test_reference_matches_dense(specs, tree, hq, hkv):
     block_size = 8
     trees = _random_trees(specs, gen) if tree else None
     meta, num_blocks = make_meta(specs, block_size, gen, trees)
-    q, k_cache, v_cache = random_inputs(meta, num_blocks, block_size, hq, hkv, 16, gen)
-    ref = paged_attention_ref(q, k_cache, v_cache, meta, 0.25)
-    dense = dense_attention(q, k_cache, v_cache, meta, 0.25)
+    q, kv = random_inputs(meta, num_blocks, block_size, hq, hkv, 16, gen)
+    ref = paged_attention_ref(q, kv, meta, 0.25)
+    dense = dense_attention(q, kv.k, kv.v, meta, 0.25)
     torch.testing.assert_close(ref.double(), dense, atol=ATOL, rtol=0)
 
 
@@ -165,9 +166,9 @@ def test_reference_arbitrary_mask_matches_dense():
     for t in trees:
         t.fill_diagonal_(True)
     meta, num_blocks = make_meta(specs, 8, gen, trees)
-    q, k_cache, v_cache = random_inputs(meta, num_blocks, 8, 2, 1, 16, gen)
-    ref = paged_attention_ref(q, k_cache, v_cache, meta, 0.3)
-    dense = dense_attention(q, k_cache, v_cache, meta, 0.3)
+    q, kv = random_inputs(meta, num_blocks, 8, 2, 1, 16, gen)
+    ref = paged_attention_ref(q, kv, meta, 0.3)
+    dense = dense_attention(q, kv.k, kv.v, meta, 0.3)
     torch.testing.assert_close(ref.double(), dense, atol=ATOL, rtol=0)
 
 
@@ -203,10 +204,10 @@ TRITON_BATCHES = [
 def _check_triton(specs, hq, hkv, d, block_size, seed, trees=None, dtype=torch.float32, atol=ATOL):
     gen = torch.Generator().manual_seed(seed)
     meta, num_blocks = make_meta(specs, block_size, gen, trees)
-    q, k_cache, v_cache = random_inputs(meta, num_blocks, block_size, hq, hkv, d, gen, dtype)
+    q, kv = random_inputs(meta, num_blocks, block_size, hq, hkv, d, gen, dtype)
     scale = d**-0.5
-    got = attention_triton.paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    got = attention_triton.paged_attention_triton(q, kv, meta, scale)
+    ref = paged_attention_ref(q, kv, meta, scale)
     torch.testing.assert_close(got, ref, atol=atol, rtol=0)
 
 
@@ -245,11 +246,11 @@ def test_chain_tree_equals_causal(use_triton):
     specs = [(5, 6), (0, 3), (12, 1)]
     chains = [tree_mask_from_parents(list(range(-1, q - 1))) for _, q in specs]
     meta, num_blocks = make_meta(specs, 8, gen, chains)
-    q, k_cache, v_cache = random_inputs(meta, num_blocks, 8, 4, 2, 64, gen)
+    q, kv = random_inputs(meta, num_blocks, 8, 4, 2, 64, gen)
     attend = attention_triton.paged_attention_triton if use_triton else paged_attention_ref
-    tree_out = attend(q, k_cache, v_cache, meta, 0.125)
+    tree_out = attend(q, kv, meta, 0.125)
     meta.tree_mask = None
-    causal_out = attend(q, k_cache, v_cache, meta, 0.125)
+    causal_out = attend(q, kv, meta, 0.125)
     torch.testing.assert_close(tree_out, causal_out, atol=ATOL, rtol=0)
 
 
@@ -262,8 +263,8 @@ def test_store_kv_triton(d, hkv, block_size):
     kv = torch.randn(T, 2, hkv, d, generator=gen)
     key, value = kv[:, 0], kv[:, 1]
     caches = [torch.randn(num_blocks, block_size, hkv, d, generator=gen) for _ in range(2)]
-    expected = [c.clone() for c in caches]
-    store_kv_ref(key, value, *expected, meta.slot_mapping)
-    attention_triton.store_kv_triton(key, value, *caches, meta.slot_mapping)
-    for got, want in zip(caches, expected):
+    expected = PagedKV(*(c.clone() for c in caches))
+    store_kv_ref(key, value, expected, meta.slot_mapping)
+    attention_triton.store_kv_triton(key, value, PagedKV(*caches), meta.slot_mapping)
+    for got, want in zip(caches, expected.tensors()):
         assert torch.equal(got, want)

@@ -23,6 +23,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from specdec.kernels import PagedKV
 from specdec.models import LlamaForCausalLM, ModelConfig, load_model
 from specdec.models.config import parse_rope
 from tests.helpers import make_kv_caches, random_block_table, single_request_meta
@@ -132,7 +133,7 @@ def _run(
     model: LlamaForCausalLM,
     ids: Tensor,  # [q_len]
     prefix_len: int,
-    caches: list[tuple[Tensor, Tensor]],
+    caches: list[PagedKV],
     table: list[int],
     block_size: int,
     positions: Tensor | None = None,
@@ -145,7 +146,7 @@ def _run(
         return model.compute_logits(model(ids, positions, caches, meta))
 
 
-def _fresh_caches(model: LlamaForCausalLM, block_size: int) -> list[tuple[Tensor, Tensor]]:
+def _fresh_caches(model: LlamaForCausalLM, block_size: int) -> list[PagedKV]:
     c = model.config
     return make_kv_caches(
         c.num_layers, NUM_BLOCKS, block_size, c.num_kv_heads, c.head_dim, fill=float("nan")
