@@ -4,7 +4,7 @@ Methods run alternately prompt by prompt in one process, so machine noise hits t
 alike; speedups are ratios of tokens/s measured side by side.
 
     python evals/bench_latency.py --methods hf,plain,ngram,draft_model \
-        --categories summarization,rag,code,qa,math_reasoning --num-prompts 3 --concurrency 1,4,16
+        --categories summarization,rag,code:rewrite,qa,math_reasoning --num-prompts 3 --concurrency 1,4,16
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ PRESETS: dict[str, dict[str, Any] | None] = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "ngram-k3": {"method": "ngram", "num_speculative_tokens": 3},
+    "ngram-k8": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 4, "model": str(DRAFT_DIR)},
     "draft-tree": {"method": "draft_model", "num_speculative_tokens": 4, "num_tree_nodes": 16, "model": str(DRAFT_DIR)},
     "draft-k6": {"method": "draft_model", "num_speculative_tokens": 6, "model": str(DRAFT_DIR)},
@@ -137,7 +138,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--methods", default="hf,plain,ngram", type=lambda s: s.split(","))
-    parser.add_argument("--categories", default="summarization,rag,code,qa,math_reasoning,translation,mt_bench",
+    parser.add_argument("--categories", default="summarization,rag,code:rewrite,code:complete,qa,math_reasoning,translation,mt_bench",
                         type=lambda s: s.split(","))
     parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -174,9 +175,15 @@ def _summary(rows: list[dict[str, Any]], methods: list[str]) -> list[list[Any]]:
     for method in methods:
         grounded = [r for r in rows if r["method"] == method and r["category"] in INPUT_GROUNDED]
         other = [r for r in rows if r["method"] == method and r["category"] not in INPUT_GROUNDED]
-        out.append([method, mean([r["tokens_per_s"] for r in grounded]), mean([r["speedup_vs_plain"] for r in grounded]),
-                    mean([r["tokens_per_s"] for r in other]), mean([r["speedup_vs_plain"] for r in other])])
+        out.append([method, *_means(grounded), *_means(other)])
     return out
+
+
+def _means(rows: list[dict[str, Any]]) -> list[Any]:
+    """Mean tok/s and mean speedup of some rows ("-" when there are none)."""
+    if not rows:
+        return ["-", "-"]
+    return [mean([r["tokens_per_s"] for r in rows]), mean([r["speedup_vs_plain"] for r in rows])]
 
 
 if __name__ == "__main__":

@@ -8,13 +8,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
-INPUT_GROUNDED = ("summarization", "rag", "code")
+# The issue's input-grounded tasks: summarise this text, extract from this text, rewrite
+# this code (code completion is not: its answer is not in the prompt).
+INPUT_GROUNDED = ("summarization", "rag", "code:rewrite")
 
 
 def load_prompts(category: str, limit: int) -> list[str]:
-    """First-turn user messages of one category's prompt file."""
-    path = PROMPTS_DIR / f"{category}.jsonl"
+    """First-turn user messages of one category's prompt file; "code:rewrite" keeps the
+    prompts of that file whose subcategory is "rewrite"."""
+    name, _, subcategory = category.partition(":")
+    path = PROMPTS_DIR / f"{name}.jsonl"
     items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if subcategory:
+        items = [item for item in items if item.get("subcategory") == subcategory]
     return [item["turns"][0] for item in items if "turns" in item][:limit]
 
 

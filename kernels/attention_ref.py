@@ -1,13 +1,15 @@
 """Plain-torch paged attention over a flattened batch: the reference every kernel matches.
 
 It is also the CPU path. Short queries (decodes, verifies, tree nodes) are computed
-row-invariantly: each query row attends, in one unmasked SDPA call of its own, to exactly
-the keys it may see, in position order. A row's result then does not depend on what else
-is in the batch or on how many drafts follow it, so a verify step reproduces plain
-decoding bit for bit (given row-invariant linears, e.g. the fp16 backend): greedy
-speculation stays token-identical. A request's keys are gathered from the paged cache
-once per layer; a row whose visible keys are a prefix of them (decodes, chains) attends to
-a view, and only tree rows off the first path copy their own key set. Each long prefill
+row-invariantly: each query row sees exactly its visible keys, in position order, padded
+to a multiple of _BUCKET keys under a mask, in an SDPA batch element of its own. A
+row's result then depends only on its keys (their count fixes the padded length), not
+on what else is in the batch or on how many drafts follow it, so a verify step
+reproduces plain decoding bit for bit (given row-invariant linears, e.g. the fp16
+backend): greedy speculation stays token-identical. Rows with the same padded length
+share one SDPA call: decodes of different requests gather their own keys; the rows of a
+verify (or a short prefill chunk) attend to one gathered copy of their request's keys,
+expanded without copying; tree rows off the first path gather their own key set. Each long prefill
 chunk runs on its own with a causal mask. Index tensors are built once per step
 (`_plan`) and reused by every layer. The cache may hold fp16, bf16 or fp8 (with per-slot
 scales, see kv_cache.py); gathered keys are dequantised into the query's dtype, slot by
@@ -24,6 +26,7 @@ from specdec.kernels.kv_cache import PagedKV, dequantize_fp8, quantize_fp8, slot
 from specdec.kernels.metadata import AttentionMetadata
 
 _SHORT_QUERY = 64  # queries up to this long are computed row by row
+_BUCKET = 64  # a short row's keys are padded to a multiple of this
 
 
 @dataclass
@@ -66,13 +69,28 @@ def _dequant(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tenso
 
 
 @dataclass
-class _RequestRows:
-    """The short query rows of one request and the keys each of them sees."""
+class _OwnRows:
+    """Rows that gathered their own keys (decodes, tree rows off the first path), across
+    requests, all padded to one length."""
 
-    slots: torch.Tensor  # [S] flat cache slots of the request's context, in position order
-    # (query row, visible keys): an int L means the first L gathered keys, a tensor
-    # [L] int64 holds indices into them (tree rows off the first root-to-leaf path).
-    rows: list[tuple[int, int | torch.Tensor]]
+    rows: torch.Tensor  # [G] query rows
+    slots: torch.Tensor  # [G, Lpad] each row's key slots in order, padded with its first slot
+    mask: torch.Tensor  # [G, 1, 1, Lpad] bool: the row's real keys
+
+
+@dataclass
+class _SharedRows:
+    """Rows of one request whose keys are each a prefix of the request's keys."""
+
+    slots: torch.Tensor  # [S] the request's key slots, padded to its longest row's bucket
+    groups: list[tuple[torch.Tensor, int, torch.Tensor]]  # (rows [G], Lpad, mask [G, 1, 1, Lpad])
+
+
+@dataclass
+class _Plan:
+    own: list[_OwnRows]
+    shared: list[_SharedRows]
+    prefill: list[_Group]
 
 
 def paged_attention_ref(
@@ -82,12 +100,16 @@ def paged_attention_ref(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     out = torch.empty_like(query)
-    requests, prefill_groups = _plan(meta, kv.block_size, query.device)
-    for request in requests:
-        k, v = gather_kv_ref(kv, request.slots, query.dtype)  # [S, Hkv, D]
-        for row, visible in request.rows:
-            out[row] = _attend_row(query[row], k, v, visible, scale)
-    for group in prefill_groups:
+    plan = _plan(meta, kv.block_size, query.device)
+    for own in plan.own:
+        k, v = gather_kv_ref(kv, own.slots, query.dtype)  # [G, Lpad, Hkv, D]
+        out[own.rows] = _attend_padded(query[own.rows], k, v, own.mask, scale)
+    for shared in plan.shared:
+        k, v = gather_kv_ref(kv, shared.slots, query.dtype)  # [S, Hkv, D]
+        for rows, length, mask in shared.groups:
+            size = (rows.shape[0], *k[:length].shape)
+            out[rows] = _attend_padded(query[rows], k[:length].expand(size), v[:length].expand(size), mask, scale)
+    for group in plan.prefill:
         result = _attend(query, kv, group, scale)  # [G, Qmax, Hq, D]
         out[group.out_rows] = result.reshape(-1, *query.shape[1:])[group.valid]
     return out
@@ -101,17 +123,15 @@ def _gather(cache: torch.Tensor,  # [num_blocks, block_size, *inner]: data or sc
     return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:])
 
 
-def _attend_row(q: torch.Tensor,  # [Hq, D]
-                k: torch.Tensor,  # [S, Hkv, D] the request's gathered keys
-                v: torch.Tensor,  # [S, Hkv, D]
-                visible: int | torch.Tensor, scale: float) -> torch.Tensor:  # [Hq, D]
-    # Same strides whether sliced or copied, so a row's result depends only on its keys.
-    k_row = k[:visible] if isinstance(visible, int) else k.index_select(0, visible)  # [L, Hkv, D]
-    v_row = v[:visible] if isinstance(visible, int) else v.index_select(0, visible)
+def _attend_padded(q: torch.Tensor,  # [G, Hq, D]
+                   k: torch.Tensor,  # [G, Lpad, Hkv, D], possibly expanded (stride 0 on G)
+                   v: torch.Tensor,  # [G, Lpad, Hkv, D]
+                   mask: torch.Tensor,  # [G, 1, 1, Lpad] bool
+                   scale: float) -> torch.Tensor:  # [G, Hq, D]
     out = F.scaled_dot_product_attention(
-        q[None, :, None], k_row[None].transpose(1, 2), v_row[None].transpose(1, 2),
-        scale=scale, enable_gqa=q.shape[0] != k.shape[1])  # [1, Hq, 1, D]
-    return out[0, :, 0]
+        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        scale=scale, enable_gqa=q.shape[1] != k.shape[2])  # [G, Hq, 1, D]
+    return out[:, :, 0]
 
 
 def _attend(query: torch.Tensor, kv: PagedKV, group: _Group,
@@ -123,32 +143,84 @@ def _attend(query: torch.Tensor, kv: PagedKV, group: _Group,
     return out.transpose(1, 2)
 
 
-def _plan(meta: AttentionMetadata, block_size: int,
-          device: torch.device) -> tuple[list[_RequestRows], list[_Group]]:
+def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
     key = f"ref:{block_size}"
     if key not in meta.plan_cache:
         short = [b for b, n in enumerate(meta.query_lens_cpu) if n <= _SHORT_QUERY]
         long = [b for b, n in enumerate(meta.query_lens_cpu) if n > _SHORT_QUERY]
-        meta.plan_cache[key] = ([_request_rows(meta, b, block_size, device) for b in short],
-                                [_group(meta, [b], block_size, device) for b in long])
-    plan: tuple[list[_RequestRows], list[_Group]] = meta.plan_cache[key]
+        own, shared = _short_rows(meta, short, block_size, device)
+        meta.plan_cache[key] = _Plan(own, shared, [_group(meta, [b], block_size, device) for b in long])
+    plan: _Plan = meta.plan_cache[key]
     return plan
 
 
-def _request_rows(meta: AttentionMetadata, b: int, block_size: int, device: torch.device) -> _RequestRows:
+def _padded(length: int) -> int:
+    return -(-length // _BUCKET) * _BUCKET
+
+
+def _short_rows(meta: AttentionMetadata, requests: list[int], block_size: int,
+                device: torch.device) -> tuple[list[_OwnRows], list[_SharedRows]]:
+    own: dict[int, list[tuple[int, torch.Tensor]]] = {}  # Lpad -> (row, its key slots [L])
+    shared = []
+    for b in requests:
+        slots = _request_slots(meta, b, block_size, device)  # [seq_len]
+        prefix_rows = []
+        for row, visible in _visible_keys(meta, b, device):
+            if isinstance(visible, int):
+                prefix_rows.append((row, visible))
+            else:
+                own.setdefault(_padded(len(visible)), []).append((row, slots[visible]))
+        if len(prefix_rows) == 1:  # a decode: batch it with other requests' decodes
+            row, length = prefix_rows[0]
+            own.setdefault(_padded(length), []).append((row, slots[:length]))
+        elif prefix_rows:
+            shared.append(_shared_rows(slots, prefix_rows, device))
+    return [_own_rows(entries, size, device) for size, entries in own.items()], shared
+
+
+def _own_rows(entries: list[tuple[int, torch.Tensor]], size: int, device: torch.device) -> _OwnRows:
+    slots = torch.stack([torch.cat([s, s[:1].expand(size - len(s))]) for _, s in entries])
+    lengths = torch.tensor([len(s) for _, s in entries], device=device)
+    mask = torch.arange(size, device=device) < lengths[:, None]  # [G, Lpad]
+    return _OwnRows(torch.tensor([row for row, _ in entries], device=device), slots, mask[:, None, None])
+
+
+def _shared_rows(slots: torch.Tensor, rows: list[tuple[int, int]], device: torch.device) -> _SharedRows:
+    longest = max(length for _, length in rows)  # a tree's first path may end before its last node
+    size = _padded(longest)
+    padded = torch.cat([slots[:longest], slots[:1].expand(size - longest)])
+    by_size: dict[int, list[tuple[int, int]]] = {}
+    for row, length in rows:
+        by_size.setdefault(_padded(length), []).append((row, length))
+    groups = []
+    for length_pad, entries in by_size.items():
+        lengths = torch.tensor([length for _, length in entries], device=device)
+        mask = torch.arange(length_pad, device=device) < lengths[:, None]  # [G, Lpad]
+        groups.append((torch.tensor([row for row, _ in entries], device=device), length_pad, mask[:, None, None]))
+    return _SharedRows(padded, groups)
+
+
+def _request_slots(meta: AttentionMetadata, b: int, block_size: int,
+                   device: torch.device) -> torch.Tensor:  # [seq_len] flat slots in position order
+    pos = torch.arange(meta.seq_lens_cpu[b], device=device)
+    return meta.block_tables[b].long()[pos // block_size] * block_size + pos % block_size
+
+
+def _visible_keys(meta: AttentionMetadata, b: int,
+                  device: torch.device) -> list[tuple[int, int | torch.Tensor]]:
+    """(query row, visible keys) per query token of request b: an int L for the first L
+    keys of the request, else a tensor [L] of key positions."""
     q_len, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
     prefix, start = seq_len - q_len, int(meta.query_start_loc[b])
-    pos = torch.arange(seq_len, device=device)
-    slots = meta.block_tables[b].long()[pos // block_size] * block_size + pos % block_size  # [seq_len]
     if meta.tree_mask is None:
-        return _RequestRows(slots, [(start + i, prefix + i + 1) for i in range(q_len)])
+        return [(start + i, prefix + i + 1) for i in range(q_len)]
     sees = meta.tree_mask[start : start + q_len, :q_len]  # [q_len, q_len]
-    return _RequestRows(slots, [(start + i, _tree_keys(sees[i], prefix, device)) for i in range(q_len)])
+    return [(start + i, _tree_keys(sees[i], prefix, device)) for i in range(q_len)]
 
 
 def _tree_keys(sees: torch.Tensor,  # [q_len] bool: the query tokens this row sees
                prefix: int, device: torch.device) -> int | torch.Tensor:
-    """A length when the row sees a run of query tokens from the first, else key indices."""
+    """A length when the row sees a run of query tokens from the first, else key positions."""
     count = int(sees.sum())
     if bool(sees[:count].all()):
         return prefix + count

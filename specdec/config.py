@@ -28,6 +28,10 @@ class SpeculativeConfig:
     # Medusa static tree: paths of top-k ranks per head, e.g. [[0], [1], [0, 0]]
     # (None: the default tree tuned for the shipped SmolLM2 heads).
     tree_choices: list[list[int]] | None = None
+    # Choose each step's draft length per request (down to 0) from measured forward costs
+    # and running acceptance, for the most committed tokens per second (specdec/adaptive.py).
+    # num_speculative_tokens (and num_tree_nodes) are then upper bounds.
+    adaptive: bool = False
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:

@@ -7,9 +7,12 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from specdec.adaptive import AdaptiveSpeculation, Stopwatch, calibrate
 from specdec.block_manager import BlockManager
 from specdec.config import EngineConfig
 from specdec.detokenizer import IncrementalDetokenizer
+from specdec.drafters.base import Draft, DraftRequest
+from specdec.kernels.kv_ops import move_kv
 from specdec.metrics import EngineMetrics
 from specdec.model_registry import read_json, resolve_model
 from specdec.model_runner import KVCache, ModelRunner
@@ -20,8 +23,6 @@ from specdec.outputs import RequestOutput
 from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest, Scheduler
-from specdec.drafters.base import Draft, DraftRequest
-from specdec.kernels.kv_ops import move_kv
 from specdec.verify import Verified, verify
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class LLMEngine:
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         self.scheduler = Scheduler(config, self.block_manager)
+        self.speculation = _build_adaptive(self) if spec and spec.adaptive else None
         self.drafter = _build_drafter(self) if spec else None
         self.metrics = EngineMetrics(self.num_speculative_tokens)
 
@@ -118,14 +120,23 @@ class LLMEngine:
         if not batch:
             return []
         try:
-            draft_probs = self._propose(batch)
-            output = self.runner.execute(batch)
-            sampled = verify(batch, output, draft_probs)
+            sampled, num_rows = self._run(batch)
         except Exception as error:  # a failed step fails its requests, not the engine
             logger.exception("engine step failed")
             return self._fail(batch, error)
         self.metrics.num_steps += 1
-        return self._postprocess(batch, sampled, output.num_rows)
+        return self._postprocess(batch, sampled, num_rows)
+
+    def _run(self, batch: list[ScheduledRequest]) -> tuple[list[Verified], list[int]]:
+        if self.speculation is not None:
+            self.speculation.plan(batch)
+        watch = Stopwatch()
+        draft_probs = self._propose(batch)
+        draft_seconds = watch.lap()
+        output = self.runner.execute(batch)
+        if self.speculation is not None:
+            self.speculation.observe_step(batch, draft_seconds, watch.lap())
+        return verify(batch, output, draft_probs), output.num_rows
 
     def _propose(self, batch: list[ScheduledRequest]) -> list[torch.Tensor | None]:
         items = [item for item in batch if item.num_lookahead > 0]
@@ -172,6 +183,8 @@ class LLMEngine:
         kept = commit_tokens(request, tokens, self.max_model_len)
         if num_drafts:
             self.metrics.observe_draft(num_drafts, min(num_accepted, kept))
+            if self.speculation is not None:
+                self.speculation.observe_verify(request.request_id, num_drafts, num_accepted, item.tree is not None)
         self.metrics.num_generation_tokens += kept
         self.block_manager.truncate(request, request.num_tokens)
         self.block_manager.cache_blocks(request)
@@ -201,6 +214,8 @@ class LLMEngine:
         self.scheduler.finish(request)
         if self.drafter is not None:
             self.drafter.free(request.request_id)
+        if self.speculation is not None:
+            self.speculation.forget(request.request_id)
 
     # ---- introspection -------------------------------------------------------------
 
@@ -236,6 +251,13 @@ def _eos_token_ids(model_dir: Any, tokenizer: Any) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def _build_adaptive(engine: LLMEngine) -> AdaptiveSpeculation:
+    """Calibrate the target's forward cost now, while the KV pool is still empty."""
+    cost = calibrate(engine.model, engine.runner.kv_cache.layers, engine.config.block_size)
+    spec = engine.config.speculative_config
+    return AdaptiveSpeculation(cost, tree_mode=bool(spec and spec.num_tree_nodes))
 
 
 def _build_drafter(engine: LLMEngine) -> Any:

@@ -141,6 +141,7 @@ REF_BATCHES = [
     [(0, 5)],
     [(7, 1), (0, 9), (13, 4), (30, 1)],
     [(3, 70), (5, 2), (0, 1)],  # q_len > 64 takes the reference's unpadded path
+    [(60, 9), (130, 1), (127, 5), (64, 1)],  # rows whose keys cross padding buckets
 ]
 
 
@@ -156,6 +157,32 @@ def test_reference_matches_dense(specs, tree, hq, hkv):
     ref = paged_attention_ref(q, kv, meta, 0.25)
     dense = dense_attention(q, kv.k, kv.v, meta, 0.25)
     torch.testing.assert_close(ref.double(), dense, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_reference_rows_are_batch_invariant(tree):
+    """Each verify or tree row equals, bit for bit, a one-token decode of the same keys
+    run alone and run among other requests: what lossless greedy speculation needs."""
+    gen = torch.Generator().manual_seed(3)
+    prefix, q_len, block_size = 61, 7, 8
+    parents = random_parents(q_len, gen) if tree else list(range(-1, q_len - 1))
+    mask = tree_mask_from_parents(parents)
+    meta, num_blocks = make_meta([(prefix, q_len), (100, 1)], block_size, gen, [mask, torch.ones(1, 1, dtype=torch.bool)])
+    q, kv = random_inputs(meta, num_blocks, block_size, 6, 2, 16, gen)
+    verify = paged_attention_ref(q, kv, meta, 0.3)
+    table = meta.block_tables[0]
+    for i in range(q_len):
+        path = [j for j in range(q_len) if mask[i, j]]  # ancestors, in order
+        if path != list(range(len(path))):
+            continue  # a decode only ever sees a contiguous path; off-path rows checked by dense test
+        decode_meta, _ = make_meta([(prefix + i, 1), (37, 1), (prefix + i, 1)], block_size, gen)
+        width = decode_meta.block_tables.shape[1]
+        decode_meta.block_tables[0] = table[:width]
+        decode_meta.block_tables[1] = meta.block_tables[1][:width]  # blocks that exist in kv
+        decode_meta.block_tables[2] = table[:width]
+        query = torch.stack([q[i], q[q_len], q[i]])  # the same row, alone-ish and among others
+        out = paged_attention_ref(query, kv, decode_meta, 0.3)
+        assert torch.equal(out[0], verify[i]) and torch.equal(out[2], verify[i])
 
 
 def test_reference_arbitrary_mask_matches_dense():
