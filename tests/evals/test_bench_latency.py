@@ -22,7 +22,7 @@ def test_bench_latency_reports_every_method(tiny_model_dir: Path, tmp_path: Path
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", [
         "bench_latency", "--model", str(tiny_model_dir), "--methods", "plain,ngram,ngram-adaptive",
-        "--categories", "code:rewrite", "--num-prompts", "1", "--max-tokens", "8", "--max-model-len", "512",
+        "--categories", "code:rewrite", "--num-prompts", "1", "--max-tokens", "8", "--max-model-len", "1024",
         "--concurrency", "1,3", "--threads", "1", "--json", str(out)])
     bench.main()
     report = json.loads(out.read_text())
