@@ -22,7 +22,7 @@ def test_bench_latency_reports_every_method(tiny_model_dir: Path, tmp_path: Path
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", [
         "bench_latency", "--model", str(tiny_model_dir), "--methods", "plain,ngram,ngram-adaptive",
-        "--categories", "code:rewrite", "--num-prompts", "1", "--max-tokens", "8", "--max-model-len", "1024",
+        "--categories", "qa", "--num-prompts", "1", "--max-tokens", "8", "--max-model-len", "1024",
         "--concurrency", "1,3", "--threads", "1", "--json", str(out)])
     bench.main()
     report = json.loads(out.read_text())
@@ -32,3 +32,13 @@ def test_bench_latency_reports_every_method(tiny_model_dir: Path, tmp_path: Path
     for (c, method), row in levels.items():
         assert row["tokens"] == 8 * c
         assert row["vs_plain"] == pytest.approx(row["tokens_per_s"] / levels[(c, "plain")]["tokens_per_s"])
+
+
+def test_subcategory_selects_input_grounded_code() -> None:
+    sys.path.insert(0, str(BENCH.parent))
+    from common import INPUT_GROUNDED, load_prompts
+
+    rewrites = load_prompts("code:rewrite", 100)
+    assert "code:rewrite" in INPUT_GROUNDED and "code" not in INPUT_GROUNDED
+    assert rewrites and set(rewrites) < set(load_prompts("code", 100))
+    assert not set(rewrites) & set(load_prompts("code:complete", 100))
