@@ -5,11 +5,12 @@ Two models feed the choice:
 - `CostModel`: seconds of a target forward over T query tokens, from a calibration at
   start-up (`calibrate`) corrected online by the measured step times, plus the drafter's
   time per draft depth (zero for n-gram lookup, a draft forward per depth for a draft model).
-- `AcceptanceStats`: per request, the chance that each further draft token is accepted
-  (a geometric model, alpha, from discounted counts), seeded from all requests' counts.
+- `AcceptanceStats`: per request, the chance that its first draft token is accepted and
+  the chance that each later one is, given the ones before it were (from discounted
+  counts), seeded from all requests' counts.
 
-A chain of k drafts with per-token acceptance alpha commits 1 + alpha + ... + alpha^k
-tokens in expectation, so draft token i of a request is worth alpha^i. `plan` adds draft
+With those rates f and r, draft token i of a request is worth f * r^(i-1) committed
+tokens in expectation. `plan` adds draft
 tokens across the batch in order of worth while expected tokens per second still rise,
 and stops (k = 0 everywhere, plain decoding) when the next token costs more time than it
 is worth. A tree is one all-or-nothing increment worth its request's mean accepted length.
@@ -76,42 +77,71 @@ class CostModel:
         return max(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), 1e-6)
 
 
+def _rate(hits: float, misses: float) -> float:
+    return min(max(hits / max(hits + misses, 1e-9), 0.01), 0.99)
+
+
 @dataclass
 class _Counts:
-    accepted: float  # discounted accepted draft tokens
-    rejected: float  # discounted verifies that rejected a draft (ended before the last)
-    tree_tokens: float = 0.0  # discounted accepted tokens of tree verifies
+    """Discounted outcomes of a request's (or all requests') verifies.
+
+    Draft tokens are accepted in runs: once the first is right, the next ones often are
+    too (an n-gram match or an easy continuation), so the first position and the later
+    ones get separate rates; a draft token at depth d is then worth first * later^(d-1).
+    """
+
+    first_hits: float  # verifies that accepted their first draft token
+    first_misses: float
+    later_hits: float  # accepted draft tokens after the first
+    later_misses: float  # verifies that stopped after accepting at least one but not all
+    tree_tokens: float = 0.0  # accepted tokens of tree verifies
     tree_verifies: float = 0.0
     idle_steps: int = 0  # steps since its last draft (probing)
 
     @property
-    def alpha(self) -> float:
-        return min(max(self.accepted / max(self.accepted + self.rejected, 1e-9), 0.01), 0.99)
+    def first(self) -> float:
+        return _rate(self.first_hits, self.first_misses)
+
+    @property
+    def later(self) -> float:
+        return _rate(self.later_hits, self.later_misses)
+
+    def gain(self, depth: int) -> float:
+        """Expected committed tokens added by the draft token at this depth (1-based)."""
+        return self.first * self.later ** (depth - 1)
 
     @property
     def tree_gain(self) -> float:
         return self.tree_tokens / max(self.tree_verifies, 1e-9)
 
     def add(self, drafted: int, accepted: int, discount: float, tree: bool) -> None:
-        self.accepted = discount * self.accepted + accepted
-        self.rejected = discount * self.rejected + (accepted < drafted)
+        self.first_hits = discount * self.first_hits + (accepted > 0)
+        self.first_misses = discount * self.first_misses + (accepted == 0)
+        if accepted > 0:
+            self.later_hits = discount * self.later_hits + accepted - 1
+            self.later_misses = discount * self.later_misses + (accepted < drafted)
         if tree:
             self.tree_tokens = discount * self.tree_tokens + accepted
             self.tree_verifies = discount * self.tree_verifies + 1
+
+    def seeded(self, weight: float) -> _Counts:
+        """Fresh counts worth `weight` verifies at these rates."""
+        first, later, gain = self.first, self.later, self.tree_gain
+        return _Counts(weight * first, weight * (1 - first), weight * later, weight * (1 - later),
+                       weight * gain, weight)
 
 
 class AcceptanceStats:
     """Per-request acceptance estimates, seeded from the drafter's running totals."""
 
     def __init__(self) -> None:
-        self.total = _Counts(accepted=1.0, rejected=1.0, tree_tokens=1.0, tree_verifies=1.0)
+        self.total = _Counts(1.0, 1.0, 1.0, 1.0, tree_tokens=1.0, tree_verifies=1.0)
         self.requests: dict[str, _Counts] = {}
 
     def get(self, request_id: str) -> _Counts:
         counts = self.requests.get(request_id)
         if counts is None:  # a new request starts from two pseudo-verifies of the global estimate
-            alpha, gain = self.total.alpha, self.total.tree_gain
-            counts = _Counts(2 * alpha, 2 * (1 - alpha), 2 * gain, 2.0)
+            counts = self.total.seeded(2.0)
             self.requests[request_id] = counts
         return counts
 
@@ -156,8 +186,7 @@ class AdaptiveSpeculation:
             if self.tree_mode:
                 increments.append(_Increment(item, item.num_lookahead, counts.tree_gain, item.max_depth))
             else:
-                alpha = counts.alpha
-                increments += [_Increment(item, 1, alpha**d, d) for d in range(1, item.max_depth + 1)]
+                increments += [_Increment(item, 1, counts.gain(d), d) for d in range(1, item.max_depth + 1)]
         # Within one item gains fall with depth, so this order takes each item's depths in turn.
         return sorted(increments, key=lambda inc: (-inc.gain / inc.tokens, inc.depth))
 

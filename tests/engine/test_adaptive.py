@@ -57,7 +57,7 @@ def test_linear_cost_turns_speculation_off_then_probes() -> None:
     for step in range(1, PROBE_EVERY + 1):
         batch = [item("a", 4)]
         planner.plan(batch)
-        expected = 1 if step == PROBE_EVERY else 0  # a one-token probe keeps alpha current
+        expected = 1 if step == PROBE_EVERY else 0  # a one-token probe keeps its rates current
         assert batch[0].max_depth == batch[0].num_lookahead == expected
 
 
@@ -69,6 +69,21 @@ def test_better_requests_get_drafts_first() -> None:
     batch = [item("bad", 4), item("good", 4)]
     planner.plan(batch)
     assert batch[0].max_depth == 0 and batch[1].max_depth >= 1
+
+
+def test_acceptance_runs_make_later_tokens_worth_more() -> None:
+    """All-or-nothing verifies (an n-gram match either holds or not): half the first
+    tokens are accepted, but once one is, the rest follow, so deep drafts still pay."""
+    planner = AdaptiveSpeculation(CostModel([1, 8, 64], [0.010, 0.012, 0.1]), tree_mode=False)
+    for _ in range(10):
+        planner.observe_verify("runs", 5, 5, tree=False)
+        planner.observe_verify("runs", 5, 0, tree=False)
+    counts = planner.stats.get("runs")
+    assert counts.first == pytest.approx(0.5, abs=0.1) and counts.later > 0.9
+    assert counts.gain(5) > 0.4
+    batch = [item("runs", 5)]
+    planner.plan(batch)
+    assert batch[0].max_depth == 5
 
 
 def test_tree_is_all_or_nothing() -> None:
