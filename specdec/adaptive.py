@@ -2,9 +2,10 @@
 verify its tree) to maximise expected committed tokens per second.
 
 Two models feed the choice:
-- `CostModel`: seconds of a target forward over T query tokens, from a calibration at
-  start-up (`calibrate`) corrected online by the measured step times, plus the drafter's
-  time per draft depth (zero for n-gram lookup, a draft forward per depth for a draft model).
+- `CostModel`: seconds of a target forward over T query tokens, a line fitted to the
+  measured step times (a start-up calibration, `calibrate`, is its prior), plus the
+  drafter's time per draft depth (zero for n-gram lookup, a draft forward per depth for a
+  draft model).
 - `AcceptanceStats`: per request, the chance that its first draft token is accepted and
   the chance that each later one is, given the ones before it were (from discounted
   counts), seeded from all requests' counts.
@@ -19,7 +20,6 @@ acceptance estimate can recover.
 """
 from __future__ import annotations
 
-import bisect
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,32 +36,38 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PROBE_EVERY = 8
 REQUEST_DISCOUNT = 0.8  # weight of a request's older verifies against its newest one
 GLOBAL_DISCOUNT = 0.98
-CORRECTION_RATE = 0.1  # how fast measured step times move the calibrated curve
+CORRECTION_RATE = 0.1  # how fast measured drafting times move the estimate
+FIT_DISCOUNT = 0.97  # per step: the cost line follows about the last 30 steps
+FIT_MAX_TOKENS = 128  # steps with more query tokens (prefill chunks) are not fitted
+PRIOR_WEIGHT = 0.1  # the calibration points together weigh a tenth of one measured step
 
 
 class CostModel:
-    """Predicted seconds for a target forward over T tokens and for drafting to a depth."""
+    """Predicted seconds for a target forward over T query tokens and for drafting to a depth.
+
+    A forward's time is modelled as a line, intercept + slope * T, fitted by weighted least
+    squares to the step times measured in recent decode and verify steps (older ones
+    discounted), plus the start-up calibration points as a light prior that keeps the fit
+    defined before there is spread in T. Measured steps carry what the calibration cannot
+    know: how many requests share the step and how long their contexts are.
+    """
 
     def __init__(self, sizes: list[int], seconds: list[float]) -> None:
-        self.sizes = sizes  # ascending token counts with a calibrated time
+        self.sizes = sizes  # calibrated token counts and their forward times
         self.seconds = seconds
-        self.correction: dict[int, float] = {}  # log2 bucket of T -> measured / calibrated
-        self.global_correction = 1.0
+        self.fit = _LineFit()
         self.draft_seconds_per_depth: float | None = None  # None until the first draft is timed
 
     def forward_time(self, num_tokens: int) -> float:
-        bucket = num_tokens.bit_length()
-        return self._calibrated(num_tokens) * self.correction.get(bucket, self.global_correction)
+        intercept, slope = self.fit.line(self._prior())
+        return max(intercept + slope * num_tokens, 1e-6)
 
     def draft_time(self, depth: int) -> float:
         return (self.draft_seconds_per_depth or 0.0) * depth
 
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        ratio = seconds / self._calibrated(num_tokens)
-        bucket = num_tokens.bit_length()
-        old = self.correction.get(bucket, self.global_correction)
-        self.correction[bucket] = old + CORRECTION_RATE * (ratio - old)
-        self.global_correction += CORRECTION_RATE * (ratio - self.global_correction)
+        if num_tokens <= FIT_MAX_TOKENS:  # long prefill chunks would dominate the line
+            self.fit.add(num_tokens, seconds)
 
     def observe_draft(self, depth: int, seconds: float) -> None:
         if depth == 0:
@@ -69,12 +75,35 @@ class CostModel:
         per_depth, old = seconds / depth, self.draft_seconds_per_depth
         self.draft_seconds_per_depth = per_depth if old is None else old + CORRECTION_RATE * (per_depth - old)
 
-    def _calibrated(self, num_tokens: int) -> float:
-        """Piecewise-linear in T through the calibration points, extrapolated past the ends."""
-        i = min(max(bisect.bisect_left(self.sizes, num_tokens), 1), len(self.sizes) - 1)
-        x0, x1 = self.sizes[i - 1], self.sizes[i]
-        y0, y1 = self.seconds[i - 1], self.seconds[i]
-        return max(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), 1e-6)
+    def _prior(self) -> _LineFit:
+        prior = _LineFit()
+        for size, seconds in zip(self.sizes, self.seconds):
+            prior.add(size, seconds, weight=PRIOR_WEIGHT / len(self.sizes), discount=1.0)
+        return prior
+
+
+@dataclass
+class _LineFit:
+    """Discounted sums for a weighted least-squares line y = a + b x."""
+
+    w: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def add(self, x: float, y: float, weight: float = 1.0, discount: float = FIT_DISCOUNT) -> None:
+        self.w, self.x, self.y = discount * self.w + weight, discount * self.x + weight * x, discount * self.y + weight * y
+        self.xx = discount * self.xx + weight * x * x
+        self.xy = discount * self.xy + weight * x * y
+
+    def line(self, prior: _LineFit) -> tuple[float, float]:
+        """(intercept, slope) over these points and the prior's; the slope is never negative."""
+        w, x, y = self.w + prior.w, self.x + prior.x, self.y + prior.y
+        xx, xy = self.xx + prior.xx, self.xy + prior.xy
+        spread = w * xx - x * x
+        slope = max((w * xy - x * y) / spread, 0.0) if spread > 1e-12 else 0.0
+        return (y - slope * x) / w, slope
 
 
 def _rate(hits: float, misses: float) -> float:

@@ -32,15 +32,15 @@ def item(request_id: str, depth: int, prefill: bool = False) -> ScheduledRequest
     return scheduled
 
 
-def test_cost_model_interpolates_and_learns() -> None:
+def test_cost_model_fits_measured_steps() -> None:
     cost = CostModel([1, 8, 64], [0.010, 0.017, 0.080])
-    assert cost.forward_time(1) == pytest.approx(0.010)
-    assert cost.forward_time(4) == pytest.approx(0.013)
-    assert cost.forward_time(128) == pytest.approx(0.080 + 64 * 0.063 / 56)  # extrapolated
-    for _ in range(100):
-        cost.observe_forward(4, 0.026)  # this machine turned out twice as slow at 4 tokens
-    assert cost.forward_time(4) == pytest.approx(0.026, rel=1e-3)
-    assert cost.forward_time(64) == pytest.approx(0.160, rel=1e-3)  # other sizes follow globally
+    assert cost.forward_time(1) < cost.forward_time(8) < cost.forward_time(64)  # the prior's line
+    for step in range(200):  # a batch of 16: each extra query token costs 3 ms over 50 ms
+        tokens = 16 + step % 25
+        cost.observe_forward(tokens, 0.002 + 0.003 * tokens)
+    cost.observe_forward(2048, 5.0)  # a long prefill step does not bend the line
+    assert cost.forward_time(16) == pytest.approx(0.050, rel=0.02)
+    assert cost.forward_time(40) == pytest.approx(0.122, rel=0.02)
     cost.observe_draft(4, 0.008)
     assert cost.draft_time(2) == pytest.approx(0.004)
 
