@@ -15,8 +15,9 @@ tokens in expectation. `plan` adds draft
 tokens across the batch in order of worth while expected tokens per second still rise,
 and stops (k = 0 everywhere, plain decoding) when the next token costs more time than it
 is worth. A tree is one all-or-nothing increment worth its request's mean accepted length.
-A request left at k = 0 gets a one-token probe every `PROBE_EVERY` steps so that its
-acceptance estimate can recover.
+A request left at k = 0 gets a one-token probe every `PROBE_EVERY` steps per request in
+the batch (a probe costs a verify row, which is dearer when more requests share a step)
+so that its acceptance estimate can recover.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ REQUEST_DISCOUNT = 0.8  # weight of a request's older verifies against its newes
 GLOBAL_DISCOUNT = 0.98
 CORRECTION_RATE = 0.1  # how fast measured drafting times move the estimate
 FIT_DISCOUNT = 0.97  # per step: the cost line follows about the last 30 steps
-FIT_MAX_TOKENS = 128  # steps with more query tokens (prefill chunks) are not fitted
+FIT_MAX_TOKENS = 128  # steps with more query tokens are not fitted
 PRIOR_WEIGHT = 0.1  # the calibration points together weigh a tenth of one measured step
 
 
@@ -56,30 +57,42 @@ class CostModel:
         self.sizes = sizes  # calibrated token counts and their forward times
         self.seconds = seconds
         self.fit = _LineFit()
-        self.draft_seconds_per_depth: float | None = None  # None until the first draft is timed
+        self.draft_seconds_per_depth = 0.0
 
     def forward_time(self, num_tokens: int) -> float:
         intercept, slope = self.fit.line(self._prior())
         return max(intercept + slope * num_tokens, 1e-6)
 
     def draft_time(self, depth: int) -> float:
-        return (self.draft_seconds_per_depth or 0.0) * depth
+        return self.draft_seconds_per_depth * depth
 
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= FIT_MAX_TOKENS:  # long prefill chunks would dominate the line
+        """A decode/verify step's time (steps over more than FIT_MAX_TOKENS are ignored)."""
+        if num_tokens <= FIT_MAX_TOKENS:
             self.fit.add(num_tokens, seconds)
 
     def observe_draft(self, depth: int, seconds: float) -> None:
-        if depth == 0:
-            return
-        per_depth, old = seconds / depth, self.draft_seconds_per_depth
-        self.draft_seconds_per_depth = per_depth if old is None else old + CORRECTION_RATE * (per_depth - old)
+        # Averaged from zero, so that one slow first call (an n-gram index being built, a
+        # draft model's prompt prefill) cannot by itself switch speculation off.
+        if depth > 0:
+            self.draft_seconds_per_depth += CORRECTION_RATE * (seconds / depth - self.draft_seconds_per_depth)
 
     def _prior(self) -> _LineFit:
-        prior = _LineFit()
-        for size, seconds in zip(self.sizes, self.seconds):
-            prior.add(size, seconds, weight=PRIOR_WEIGHT / len(self.sizes), discount=1.0)
-        return prior
+        """The calibration points, rescaled to the level of the measured steps: the
+        calibration gives the curve's shape, the measurements its height."""
+        scale = 1.0
+        if self.fit.w > 0:
+            intercept, slope = _calibration_fit(self.sizes, self.seconds, 1.0).line(_LineFit())
+            mean_x, mean_y = self.fit.x / self.fit.w, self.fit.y / self.fit.w
+            scale = mean_y / max(intercept + slope * mean_x, 1e-9)
+        return _calibration_fit(self.sizes, self.seconds, scale)
+
+
+def _calibration_fit(sizes: list[int], seconds: list[float], scale: float) -> _LineFit:
+    prior = _LineFit()
+    for size, time_s in zip(sizes, seconds):
+        prior.add(size, time_s * scale, weight=PRIOR_WEIGHT / len(sizes), discount=1.0)
+    return prior
 
 
 @dataclass
@@ -206,7 +219,7 @@ class AdaptiveSpeculation:
         base_gain = float(sum(item.completes_prompt for item in batch))
         chosen = self._choose(self._increments(candidates), base_tokens, base_gain)
         for item in candidates:
-            self._apply(item, chosen.get(id(item), 0))
+            self._apply(item, chosen.get(id(item), 0), PROBE_EVERY * len(candidates))
 
     def _increments(self, items: list[ScheduledRequest]) -> list[_Increment]:
         increments = []
@@ -235,11 +248,11 @@ class AdaptiveSpeculation:
     def _step_time(self, tokens: int, max_depth: int) -> float:
         return self.cost.forward_time(tokens) + self.cost.draft_time(max_depth)
 
-    def _apply(self, item: ScheduledRequest, depth: int) -> None:
+    def _apply(self, item: ScheduledRequest, depth: int, probe_every: int) -> None:
         counts = self.stats.get(item.request.request_id)
         if depth == 0:
             counts.idle_steps += 1
-            if counts.idle_steps < PROBE_EVERY:
+            if counts.idle_steps < probe_every:
                 item.num_lookahead = item.max_depth = 0
                 return
             counts.idle_steps = 0
@@ -248,7 +261,10 @@ class AdaptiveSpeculation:
             item.num_lookahead = item.max_depth = depth
 
     def observe_step(self, batch: list[ScheduledRequest], draft_seconds: float, forward_seconds: float) -> None:
-        self.cost.observe_forward(sum(item.num_query_tokens for item in batch), forward_seconds)
+        # Only decode and verify steps: a prefill token costs differently from a draft row,
+        # and the line is what one more draft row costs.
+        if all(item.num_new_tokens == 1 for item in batch):
+            self.cost.observe_forward(sum(item.num_query_tokens for item in batch), forward_seconds)
         self.cost.observe_draft(max((item.max_depth for item in batch), default=0), draft_seconds)
 
     def observe_verify(self, request_id: str, drafted: int, accepted: int, tree: bool) -> None:
