@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PROBE_EVERY = 8
+SAFETY_MARGIN = 0.1  # a draft plan must promise 10% more tokens per second than none
 REQUEST_DISCOUNT = 0.8  # weight of a request's older verifies against its newest one
 GLOBAL_DISCOUNT = 0.98
 CORRECTION_RATE = 0.1  # how fast measured drafting times move the estimate
@@ -235,7 +236,9 @@ class AdaptiveSpeculation:
     def _choose(self, increments: list[_Increment], tokens: int, gain: float) -> dict[int, int]:
         """Depth per item (by id) at the best expected tokens per second along the order."""
         depth: dict[int, int] = {}
-        best, best_rate = dict(depth), gain / self._step_time(tokens, 0)
+        # Speculate only for a clear predicted gain: the models are estimates, and a wrong
+        # "yes" costs more (verify rows, per-request attention calls) than a wrong "no".
+        best, best_rate = dict(depth), (1 + SAFETY_MARGIN) * gain / self._step_time(tokens, 0)
         for inc in increments:
             tokens += inc.tokens
             gain += inc.gain
