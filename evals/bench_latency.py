@@ -126,11 +126,11 @@ def bench_concurrency(args: argparse.Namespace, runners: dict[str, Any]) -> list
             results.append({"concurrency": concurrency, "method": method, "tokens": tokens, "seconds": seconds,
                             "tokens_per_s": tokens / seconds})
             print(f"concurrency {concurrency} {method}: {tokens / seconds:.1f} tok/s", file=sys.stderr, flush=True)
+    speed = {(r["concurrency"], r["method"]): r["tokens_per_s"] for r in results}
     for r in results:
-        same_level = {x["method"]: x["tokens_per_s"] for x in results if x["concurrency"] == r["concurrency"]}
-        first_level = {x["method"]: x["tokens_per_s"] for x in results if x["concurrency"] == args.concurrency[0]}
-        r["vs_plain"] = r["tokens_per_s"] / same_level["plain"] if "plain" in same_level else float("nan")
-        r["vs_first_level"] = r["tokens_per_s"] / first_level[r["method"]]
+        plain = speed.get((r["concurrency"], "plain"))
+        r["vs_plain"] = r["tokens_per_s"] / plain if plain else float("nan")
+        r["vs_first_level"] = r["tokens_per_s"] / speed[(args.concurrency[0], r["method"])]
     return results
 
 

@@ -163,7 +163,7 @@ def _short_rows(meta: AttentionMetadata, requests: list[int], block_size: int,
     own: dict[int, list[tuple[int, torch.Tensor]]] = {}  # Lpad -> (row, its key slots [L])
     shared = []
     for b in requests:
-        slots = _request_slots(meta, b, block_size, device)  # [seq_len]
+        slots = _slots(meta, [b], meta.seq_lens_cpu[b], block_size, device)[0]  # [seq_len] in position order
         prefix_rows = []
         for row, visible in _visible_keys(meta, b, device):
             if isinstance(visible, int):
@@ -180,9 +180,16 @@ def _short_rows(meta: AttentionMetadata, requests: list[int], block_size: int,
 
 def _own_rows(entries: list[tuple[int, torch.Tensor]], size: int, device: torch.device) -> _OwnRows:
     slots = torch.stack([torch.cat([s, s[:1].expand(size - len(s))]) for _, s in entries])
-    lengths = torch.tensor([len(s) for _, s in entries], device=device)
-    mask = torch.arange(size, device=device) < lengths[:, None]  # [G, Lpad]
-    return _OwnRows(torch.tensor([row for row, _ in entries], device=device), slots, mask[:, None, None])
+    rows, mask = _rows_and_mask([(row, len(s)) for row, s in entries], size, device)
+    return _OwnRows(rows, slots, mask)
+
+
+def _rows_and_mask(entries: list[tuple[int, int]],  # (query row, number of real keys)
+                   size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[G] row indices and the [G, 1, 1, size] bool mask of each row's real keys."""
+    lengths = torch.tensor([length for _, length in entries], device=device)
+    mask = torch.arange(size, device=device) < lengths[:, None]  # [G, size]
+    return torch.tensor([row for row, _ in entries], device=device), mask[:, None, None]
 
 
 def _shared_rows(slots: torch.Tensor, rows: list[tuple[int, int]], device: torch.device) -> _SharedRows:
@@ -194,16 +201,9 @@ def _shared_rows(slots: torch.Tensor, rows: list[tuple[int, int]], device: torch
         by_size.setdefault(_padded(length), []).append((row, length))
     groups = []
     for length_pad, entries in by_size.items():
-        lengths = torch.tensor([length for _, length in entries], device=device)
-        mask = torch.arange(length_pad, device=device) < lengths[:, None]  # [G, Lpad]
-        groups.append((torch.tensor([row for row, _ in entries], device=device), length_pad, mask[:, None, None]))
+        rows_t, mask = _rows_and_mask(entries, length_pad, device)
+        groups.append((rows_t, length_pad, mask))
     return _SharedRows(padded, groups)
-
-
-def _request_slots(meta: AttentionMetadata, b: int, block_size: int,
-                   device: torch.device) -> torch.Tensor:  # [seq_len] flat slots in position order
-    pos = torch.arange(meta.seq_lens_cpu[b], device=device)
-    return meta.block_tables[b].long()[pos // block_size] * block_size + pos % block_size
 
 
 def _visible_keys(meta: AttentionMetadata, b: int,

@@ -22,7 +22,7 @@ so that its acceptance estimate can recover.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,6 +57,10 @@ class CostModel:
     def __init__(self, sizes: list[int], seconds: list[float]) -> None:
         self.sizes = sizes  # calibrated token counts and their forward times
         self.seconds = seconds
+        self.calibration = _LineFit()  # the calibration points, a light prior
+        for size, time_s in zip(sizes, seconds):
+            self.calibration.add(size, time_s, weight=PRIOR_WEIGHT / len(sizes), discount=1.0)
+        self.calibration_line = self.calibration.line(_LineFit())
         self.fit = _LineFit()
         self.draft_seconds_per_depth = 0.0
 
@@ -81,19 +85,11 @@ class CostModel:
     def _prior(self) -> _LineFit:
         """The calibration points, rescaled to the level of the measured steps: the
         calibration gives the curve's shape, the measurements its height."""
-        scale = 1.0
-        if self.fit.w > 0:
-            intercept, slope = _calibration_fit(self.sizes, self.seconds, 1.0).line(_LineFit())
-            mean_x, mean_y = self.fit.x / self.fit.w, self.fit.y / self.fit.w
-            scale = mean_y / max(intercept + slope * mean_x, 1e-9)
-        return _calibration_fit(self.sizes, self.seconds, scale)
-
-
-def _calibration_fit(sizes: list[int], seconds: list[float], scale: float) -> _LineFit:
-    prior = _LineFit()
-    for size, time_s in zip(sizes, seconds):
-        prior.add(size, time_s * scale, weight=PRIOR_WEIGHT / len(sizes), discount=1.0)
-    return prior
+        if self.fit.w == 0:
+            return self.calibration
+        intercept, slope = self.calibration_line
+        mean_x, mean_y = self.fit.x / self.fit.w, self.fit.y / self.fit.w
+        return self.calibration.scaled(mean_y / max(intercept + slope * mean_x, 1e-9))
 
 
 @dataclass
@@ -110,6 +106,10 @@ class _LineFit:
         self.w, self.x, self.y = discount * self.w + weight, discount * self.x + weight * x, discount * self.y + weight * y
         self.xx = discount * self.xx + weight * x * x
         self.xy = discount * self.xy + weight * x * y
+
+    def scaled(self, factor: float) -> _LineFit:
+        """The same points with every y multiplied by factor."""
+        return replace(self, y=self.y * factor, xy=self.xy * factor)
 
     def line(self, prior: _LineFit) -> tuple[float, float]:
         """(intercept, slope) over these points and the prior's; the slope is never negative."""
@@ -189,8 +189,9 @@ class AcceptanceStats:
         return counts
 
     def observe(self, request_id: str, drafted: int, accepted: int, tree: bool) -> None:
-        self.get(request_id).add(drafted, accepted, REQUEST_DISCOUNT, tree)
-        self.get(request_id).idle_steps = 0
+        counts = self.get(request_id)
+        counts.add(drafted, accepted, REQUEST_DISCOUNT, tree)
+        counts.idle_steps = 0
         self.total.add(drafted, accepted, GLOBAL_DISCOUNT, tree)
 
     def forget(self, request_id: str) -> None:
