@@ -9,6 +9,7 @@ alike; speedups are ratios of tokens/s measured side by side.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -112,19 +113,23 @@ def _row(category: str, method: str, s: dict[str, Any], stats: dict[str, dict[st
 
 
 def bench_concurrency(args: argparse.Namespace, runners: dict[str, Any]) -> list[dict[str, Any]]:
-    """Total tok/s of each engine method at each concurrency, methods alternating per level."""
-    texts = [t for c in args.categories for t in load_prompts(c, 64)]
+    """Throughput of one fixed workload at each concurrency: the same N = max(levels)
+    requests (prompts taken round-robin over the categories, so long and short prompts mix),
+    served with at most `c` in flight (waves of c; every request has the same max_tokens
+    and ignores EOS, so a wave ends together). Level 1 is the requests one after another,
+    the batch-1 baseline of the same work. Methods alternate per level."""
     methods = [m for m in args.methods if isinstance(runners[m], LLM)]
+    prompts = _workload(args, runners[methods[0]], max(args.concurrency))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     results = []
     for concurrency in args.concurrency:
-        prompts = [runners[methods[0]].apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}])
-                   for i in range(concurrency)]
         for method in methods:
-            outs, seconds = timed(lambda: runners[method].generate(prompts, params))
+            outs, seconds = timed(lambda: _serve_in_waves(runners[method], prompts, params, concurrency))
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            results.append({"concurrency": concurrency, "method": method, "tokens": tokens, "seconds": seconds,
-                            "tokens_per_s": tokens / seconds})
+            prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+            results.append({"concurrency": concurrency, "method": method, "requests": len(outs), "tokens": tokens,
+                            "prompt_tokens": prompt_tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                            "total_tokens_per_s": (tokens + prompt_tokens) / seconds})
             print(f"concurrency {concurrency} {method}: {tokens / seconds:.1f} tok/s", file=sys.stderr, flush=True)
     speed = {(r["concurrency"], r["method"]): r["tokens_per_s"] for r in results}
     for r in results:
@@ -132,6 +137,21 @@ def bench_concurrency(args: argparse.Namespace, runners: dict[str, Any]) -> list
         r["vs_plain"] = r["tokens_per_s"] / plain if plain else float("nan")
         r["vs_first_level"] = r["tokens_per_s"] / speed[(args.concurrency[0], r["method"])]
     return results
+
+
+def _workload(args: argparse.Namespace, llm: LLM, n: int) -> list[list[int]]:
+    """n chat prompts, round-robin over the categories."""
+    by_category = [load_prompts(c, 64) for c in args.categories]
+    texts = [t for row in itertools.zip_longest(*by_category) for t in row if t is not None]
+    return [llm.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(n)]
+
+
+def _serve_in_waves(llm: LLM, prompts: list[list[int]], params: SamplingParams,
+                    concurrency: int) -> list[Any]:
+    outs = []
+    for start in range(0, len(prompts), concurrency):
+        outs += llm.generate(prompts[start:start + concurrency], params)
+    return outs
 
 
 def main() -> None:
@@ -162,10 +182,11 @@ def main() -> None:
     if args.concurrency:
         report["concurrency"] = bench_concurrency(args, runners)
         print()
-        print(markdown_table(["concurrency", "method", "tokens", "seconds", "total tok/s", "vs plain",
-                              f"vs concurrency {args.concurrency[0]}"],
-                             [[r["concurrency"], r["method"], r["tokens"], r["seconds"], r["tokens_per_s"],
-                               r["vs_plain"], r["vs_first_level"]] for r in report["concurrency"]]))
+        print(markdown_table(["concurrency", "method", "requests", "output tokens", "prompt tokens", "seconds",
+                              "output tok/s", "prompt+output tok/s", "vs plain", f"vs concurrency {args.concurrency[0]}"],
+                             [[r["concurrency"], r["method"], r["requests"], r["tokens"], r["prompt_tokens"],
+                               r["seconds"], r["tokens_per_s"], r["total_tokens_per_s"], r["vs_plain"],
+                               r["vs_first_level"]] for r in report["concurrency"]]))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

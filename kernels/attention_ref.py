@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels.kv_cache import PagedKV, dequantize_fp8, quantize_fp8, slot_rows
+from specdec.kernels.kv_cache import FP8, PagedKV, dequantize_fp8, quantize_fp8, slot_rows
 from specdec.kernels.metadata import AttentionMetadata
 
 _SHORT_QUERY = 64  # queries up to this long are computed row by row
@@ -69,12 +69,26 @@ def _dequant(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tenso
 
 
 @dataclass
+class _Keys:
+    """Which cache entries some rows read, in position order: whole blocks when the keys
+    are a prefix of a request's context (a block copy is about twice as fast as copying
+    its slots one by one), else single slots. Keys past a row's real ones are masked out,
+    but a masked key still meets a zero weight, and a slot never written (or holding a
+    stale inf) would make that NaN: gathered block entries past the real keys are zeroed."""
+
+    index: torch.Tensor  # [..., n]: block ids (by_block) or flat slots
+    length: int  # keys kept per row after gathering (a multiple of _BUCKET)
+    by_block: bool
+    unwritten: torch.Tensor | None = None  # [U] by_block: flat gathered positions to zero
+
+
+@dataclass
 class _OwnRows:
     """Rows that gathered their own keys (decodes, tree rows off the first path), across
     requests, all padded to one length."""
 
     rows: torch.Tensor  # [G] query rows
-    slots: torch.Tensor  # [G, Lpad] each row's key slots in order, padded with its first slot
+    keys: _Keys  # index [G, n]
     mask: torch.Tensor  # [G, 1, 1, Lpad] bool: the row's real keys
 
 
@@ -82,7 +96,7 @@ class _OwnRows:
 class _SharedRows:
     """Rows of one request whose keys are each a prefix of the request's keys."""
 
-    slots: torch.Tensor  # [S] the request's key slots, padded to its longest row's bucket
+    keys: _Keys  # index [n]: the request's blocks up to its longest row's padded length
     groups: list[tuple[torch.Tensor, int, torch.Tensor]]  # (rows [G], Lpad, mask [G, 1, 1, Lpad])
 
 
@@ -102,10 +116,10 @@ def paged_attention_ref(
     out = torch.empty_like(query)
     plan = _plan(meta, kv.block_size, query.device)
     for own in plan.own:
-        k, v = gather_kv_ref(kv, own.slots, query.dtype)  # [G, Lpad, Hkv, D]
+        k, v = _gather_keys(kv, own.keys, query.dtype)  # [G, Lpad, Hkv, D]
         out[own.rows] = _attend_padded(query[own.rows], k, v, own.mask, scale)
     for shared in plan.shared:
-        k, v = gather_kv_ref(kv, shared.slots, query.dtype)  # [S, Hkv, D]
+        k, v = _gather_keys(kv, shared.keys, query.dtype)  # [S, Hkv, D]
         for rows, length, mask in shared.groups:
             size = (rows.shape[0], *k[:length].shape)
             out[rows] = _attend_padded(query[rows], k[:length].expand(size), v[:length].expand(size), mask, scale)
@@ -121,6 +135,34 @@ def _gather(cache: torch.Tensor,  # [num_blocks, block_size, *inner]: data or sc
     """index_select, not advanced indexing: the same copy, about five times faster on CPU."""
     flat = cache.view(-1, *cache.shape[2:])
     return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:])
+
+
+def _gather_keys(kv: PagedKV, keys: _Keys,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # k, v: [..., length, Hkv, D]
+    if not keys.by_block:
+        return gather_kv_ref(kv, keys.index, dtype)
+    k = _dequant_blocks(kv.k, kv.k_scale, keys, dtype)
+    return k, _dequant_blocks(kv.v, kv.v_scale, keys, dtype)
+
+
+def _dequant_blocks(cache: torch.Tensor, scale: torch.Tensor | None, keys: _Keys,
+                    dtype: torch.dtype) -> torch.Tensor:  # [..., length, Hkv, D]
+    data = _gather_blocks(cache, keys)
+    if scale is None:
+        return data.to(dtype)
+    return dequantize_fp8(data, _gather_blocks(scale, keys)).to(dtype)
+
+
+def _gather_blocks(cache: torch.Tensor,  # [num_blocks, block_size, *inner]: data or scales
+                   keys: _Keys) -> torch.Tensor:  # [..., length, *inner]
+    blocks = keys.index
+    inner = cache.shape[2:]
+    data = cache.index_select(0, blocks.reshape(-1))  # [N * n, block_size, *inner]
+    if keys.unwritten is not None:
+        raw = data.view(torch.uint8) if data.dtype == FP8 else data  # no fp8 index_fill_ on CPU
+        raw.view(-1, *inner).index_fill_(0, keys.unwritten, 0)
+    data = data.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *inner)
+    return data.narrow(blocks.dim() - 1, 0, keys.length)
 
 
 def _attend_padded(q: torch.Tensor,  # [G, Hq, D]
@@ -160,28 +202,60 @@ def _padded(length: int) -> int:
 
 def _short_rows(meta: AttentionMetadata, requests: list[int], block_size: int,
                 device: torch.device) -> tuple[list[_OwnRows], list[_SharedRows]]:
-    own: dict[int, list[tuple[int, torch.Tensor]]] = {}  # Lpad -> (row, its key slots [L])
+    decodes: dict[int, list[tuple[int, int, torch.Tensor]]] = {}  # Lpad -> (row, keys, its blocks)
+    tree_rows: dict[int, list[tuple[int, torch.Tensor]]] = {}  # Lpad -> (row, its key slots [L])
     shared = []
     for b in requests:
-        slots = _slots(meta, [b], meta.seq_lens_cpu[b], block_size, device)[0]  # [seq_len] in position order
+        slots: torch.Tensor | None = None
         prefix_rows = []
         for row, visible in _visible_keys(meta, b, device):
             if isinstance(visible, int):
                 prefix_rows.append((row, visible))
-            else:
-                own.setdefault(_padded(len(visible)), []).append((row, slots[visible]))
+                continue
+            if slots is None:
+                slots = _slots(meta, [b], meta.seq_lens_cpu[b], block_size, device)[0]  # [seq_len]
+            tree_rows.setdefault(_padded(len(visible)), []).append((row, slots[visible]))
         if len(prefix_rows) == 1:  # a decode: batch it with other requests' decodes
             row, length = prefix_rows[0]
-            own.setdefault(_padded(length), []).append((row, slots[:length]))
+            decodes.setdefault(_padded(length), []).append((row, length, _blocks(meta, b, length, block_size)))
         elif prefix_rows:
-            shared.append(_shared_rows(slots, prefix_rows, device))
-    return [_own_rows(entries, size, device) for size, entries in own.items()], shared
+            shared.append(_shared_rows(meta, b, prefix_rows, block_size, device))
+    own = [_decode_rows(entries, size, block_size, device) for size, entries in decodes.items()]
+    return own + [_tree_rows(entries, size, device) for size, entries in tree_rows.items()], shared
 
 
-def _own_rows(entries: list[tuple[int, torch.Tensor]], size: int, device: torch.device) -> _OwnRows:
+def _blocks(meta: AttentionMetadata, b: int, length: int,
+            block_size: int) -> torch.Tensor:  # [ceil(Lpad / block_size)] block ids
+    """Request b's blocks covering its first `length` keys padded to the bucket; the
+    table's zero padding stands in for blocks past its end."""
+    count = -(-_padded(length) // block_size)
+    table = meta.block_tables[b].long()
+    if count <= table.shape[0]:
+        return table[:count]
+    return torch.cat([table, table.new_zeros(count - table.shape[0])])
+
+
+def _decode_rows(entries: list[tuple[int, int, torch.Tensor]], size: int, block_size: int,
+                 device: torch.device) -> _OwnRows:
+    rows, mask = _rows_and_mask([(row, length) for row, length, _ in entries], size, device)
+    blocks = torch.stack([blocks for _, _, blocks in entries])  # [G, n]
+    return _OwnRows(rows, _block_keys(blocks, size, [length for _, length, _ in entries], block_size), mask)
+
+
+def _block_keys(blocks: torch.Tensor,  # [G, n] each row's block ids, or [n] for one row
+                size: int, lengths: list[int],  # each row's real keys
+                block_size: int) -> _Keys:
+    """Keys read as whole blocks, listing every gathered position past a row's real keys."""
+    span = blocks.shape[-1] * block_size  # keys gathered per row
+    positions = torch.arange(span, device=blocks.device)
+    unwritten = torch.cat([positions[length:] + g * span for g, length in enumerate(lengths)])
+    return _Keys(blocks, size, True, unwritten)
+
+
+def _tree_rows(entries: list[tuple[int, torch.Tensor]], size: int, device: torch.device) -> _OwnRows:
     slots = torch.stack([torch.cat([s, s[:1].expand(size - len(s))]) for _, s in entries])
     rows, mask = _rows_and_mask([(row, len(s)) for row, s in entries], size, device)
-    return _OwnRows(rows, slots, mask)
+    return _OwnRows(rows, _Keys(slots, size, False), mask)
 
 
 def _rows_and_mask(entries: list[tuple[int, int]],  # (query row, number of real keys)
@@ -192,10 +266,9 @@ def _rows_and_mask(entries: list[tuple[int, int]],  # (query row, number of real
     return torch.tensor([row for row, _ in entries], device=device), mask[:, None, None]
 
 
-def _shared_rows(slots: torch.Tensor, rows: list[tuple[int, int]], device: torch.device) -> _SharedRows:
+def _shared_rows(meta: AttentionMetadata, b: int, rows: list[tuple[int, int]], block_size: int,
+                 device: torch.device) -> _SharedRows:
     longest = max(length for _, length in rows)  # a tree's first path may end before its last node
-    size = _padded(longest)
-    padded = torch.cat([slots[:longest], slots[:1].expand(size - longest)])
     by_size: dict[int, list[tuple[int, int]]] = {}
     for row, length in rows:
         by_size.setdefault(_padded(length), []).append((row, length))
@@ -203,7 +276,8 @@ def _shared_rows(slots: torch.Tensor, rows: list[tuple[int, int]], device: torch
     for length_pad, entries in by_size.items():
         rows_t, mask = _rows_and_mask(entries, length_pad, device)
         groups.append((rows_t, length_pad, mask))
-    return _SharedRows(padded, groups)
+    return _SharedRows(_block_keys(_blocks(meta, b, longest, block_size), _padded(longest), [longest], block_size),
+                       groups)
 
 
 def _visible_keys(meta: AttentionMetadata, b: int,

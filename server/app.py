@@ -509,9 +509,14 @@ class _ChatStreamer(_Streamer):
         return {"index": delta.index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
 
+# Characters json.dumps(ensure_ascii=False) leaves raw that str.splitlines() (and so
+# httpx's aiter_lines) treats as line breaks: raw, they would cut an SSE event in two.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(data: dict[str, Any] | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n"
+    return f"data: {payload.translate(_LINE_BREAKS)}\n\n"
 
 
 async def _events(request: Request, job: _Job, streamer: _Streamer) -> AsyncIterator[str]:

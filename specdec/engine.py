@@ -8,6 +8,7 @@ import torch
 from transformers import AutoTokenizer
 
 from specdec.adaptive import AdaptiveSpeculation, Stopwatch, calibrate
+from specdec.allocator import keep_freed_memory
 from specdec.block_manager import BlockManager
 from specdec.config import EngineConfig
 from specdec.detokenizer import IncrementalDetokenizer
@@ -35,6 +36,7 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.device = torch.device("cpu")
+        keep_freed_memory()
         self.model = load_model(self.model_dir, dtype=config.dtype, device=self.device)
         apply_linear_backend(self.model, config.linear_backend)
         self.model_config = self.model.config

@@ -30,7 +30,7 @@ def test_bench_latency_reports_every_method(tiny_model_dir: Path, tmp_path: Path
     levels = {(r["concurrency"], r["method"]): r for r in report["concurrency"]}
     assert set(levels) == {(c, m) for c in (1, 3) for m in ("plain", "ngram", "ngram-adaptive")}
     for (c, method), row in levels.items():
-        assert row["tokens"] == 8 * c
+        assert row["requests"] == 3 and row["tokens"] == 8 * 3  # the same workload at every level
         assert row["vs_plain"] == pytest.approx(row["tokens_per_s"] / levels[(c, "plain")]["tokens_per_s"])
 
 

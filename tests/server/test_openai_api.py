@@ -2,6 +2,7 @@
 logprobs, echo, chat, per-request speculation (httpx and the official openai client)."""
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from typing import Any, cast
 
@@ -223,3 +224,14 @@ def test_openai_client(server: RunningServer) -> None:
     bad_key = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.models.list()
+
+
+def test_sse_event_survives_unicode_line_breaks() -> None:
+    """U+0085, U+2028 and U+2029 stay escaped: clients splitting the stream with
+    str.splitlines (httpx's aiter_lines) must see one `data:` line per event."""
+    from specdec.server.app import _sse
+
+    text = "a\u2028b\x85c\u2029d\u00e9"
+    lines = _sse({"delta": {"content": text}}).splitlines()
+    assert len(lines) == 2 and lines[0].startswith("data: ") and lines[1] == ""
+    assert json.loads(lines[0][len("data: "):])["delta"]["content"] == text
