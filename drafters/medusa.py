@@ -66,6 +66,12 @@ def resolve_heads_dir(name: str | None) -> Path:
     return path
 
 
+def _measured_choices(path: Path) -> list[list[int]]:
+    """The tree train_medusa chose for these heads on its data (best first), if any."""
+    choices: list[list[int]] = json.loads((path / "medusa_config.json").read_text()).get("tree_choices", [])
+    return choices
+
+
 class MedusaDrafter(Drafter):
     def __init__(self, heads: MedusaHeads, choices: list[Choice], top_k: int) -> None:
         self.heads = heads
@@ -76,8 +82,9 @@ class MedusaDrafter(Drafter):
     def from_engine(cls, engine: LLMEngine) -> MedusaDrafter:
         spec = engine.config.speculative_config
         assert spec is not None
-        heads = load_heads(resolve_heads_dir(spec.model), engine.model.lm_head_weight, engine.model.compute_logits)
-        choices = [tuple(c) for c in spec.tree_choices] if spec.tree_choices else DEFAULT_CHOICES
+        path = resolve_heads_dir(spec.model)
+        heads = load_heads(path, engine.model.lm_head_weight, engine.model.compute_logits)
+        choices = [tuple(c) for c in spec.tree_choices or _measured_choices(path)] or DEFAULT_CHOICES
         top_k = 1 + max((max(c) for c in choices if c), default=0)
         return cls(heads, choices, top_k)
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from specdec.drafters import distill_data as dd
+from specdec.drafters.medusa_tree import best_choices, expected_accepted
+from specdec.drafters.tree import Choice
 from specdec.drafters.train_draft import (
     chain_stats,
     lr_at,
@@ -33,6 +35,9 @@ from specdec.drafters.train_draft import (
 )
 
 from specdec.model_registry import resolve_model
+
+
+TREE_SIZES = (4, 8, 16, 24, 32, 48, 64)
 
 
 class MedusaHeads(torch.nn.Module):
@@ -114,35 +119,39 @@ def train(model: MedusaHeads, data: FlatData, embed: torch.Tensor,
 
 
 @torch.inference_mode()
-def evaluate(model: MedusaHeads, data: FlatData, embed: torch.Tensor,
-             chunk: int = 1024) -> dict:
-    """Per-head top-1 / top-5 accuracy against the generated tokens over the full
-    vocabulary, and expected accepted tokens for a chain (no tree) of k heads."""
-    k_heads = len(model.heads)
-    hit1 = torch.zeros(len(data), k_heads, dtype=torch.bool)
-    hit5 = torch.zeros(len(data), k_heads, dtype=torch.bool)
-    valid = torch.stack([f >= 0 for f in data.future], dim=1)
+def head_ranks(model: MedusaHeads, data: FlatData, embed: torch.Tensor, top_k: int,
+               chunk: int = 1024) -> torch.Tensor:  # [N, heads] int64
+    """Where the token each head must guess ranks in its top_k over the full vocabulary;
+    top_k when it is not there or lies past the sequence's end."""
+    ranks = torch.full((len(data), len(model.heads)), top_k, dtype=torch.long)
     for start in range(0, len(data), chunk):
         rows = torch.arange(start, min(start + chunk, len(data)))
-        outs = model(data.hidden[rows].float())
-        for i, out in enumerate(outs):
-            pred = (out @ embed.T).topk(5, dim=-1).indices
-            fut = data.future[i][rows].clamp(min=0)
-            label = data.token[fut]
-            hit1[rows, i] = pred[:, 0] == label
-            hit5[rows, i] = (pred == label[:, None]).any(-1)
+        for i, out in enumerate(model(data.hidden[rows].float())):
+            top = (out @ embed.T).topk(top_k, dim=-1).indices  # [n, top_k]
+            future = data.future[i][rows]
+            hit = top == data.token[future.clamp(min=0)][:, None]
+            rank = torch.where(hit.any(-1), hit.int().argmax(-1), top_k)
+            ranks[rows, i] = torch.where(future >= 0, rank, top_k)
+    return ranks
+
+
+def evaluate(ranks: torch.Tensor, data: FlatData, choices: list[Choice]) -> dict:
+    """Per-head top-1 / top-5 accuracy against the generated tokens, expected accepted
+    tokens for a chain of k heads, and tau of the best trees of several sizes."""
+    valid = torch.stack([f >= 0 for f in data.future], dim=1)
     report: dict = {"positions": len(data), "heads": []}
-    for i in range(k_heads):
+    for i in range(ranks.shape[1]):
         m = valid[:, i]
         report["heads"].append({
             "head": i, "predicts": f"t+{i + 2}",
-            "top1": round(hit1[m, i].float().mean().item(), 4),
-            "top5": round(hit5[m, i].float().mean().item(), 4),
+            "top1": round((ranks[m, i] == 0).float().mean().item(), 4),
+            "top5": round((ranks[m, i] < 5).float().mean().item(), 4),
         })
     # A Medusa chain: the target supplies t+1; head i's guess survives only if heads
     # 0..i-1 were right too. Rows near a sequence end count as misses there.
-    chains = list(hit1 & valid)
-    report["chain"] = chain_stats(chains, tuple(range(1, k_heads + 1)))
+    report["chain"] = chain_stats(list(ranks == 0), tuple(range(1, ranks.shape[1] + 1)))
+    report["tree_tau"] = {str(n): round(1 + expected_accepted(choices[:n], ranks), 3)
+                          for n in TREE_SIZES if n <= len(choices)}
     return report
 
 
@@ -160,7 +169,7 @@ def save_heads(model: MedusaHeads, out: Path) -> int:
 
 
 def write_config(out: Path, num_heads: int, hidden: int, model_name: str,
-                 heldout: dict | None) -> None:
+                 heldout: dict | None, choices: list[Choice] | None = None) -> None:
     heads = heldout["heads"] if heldout else []
     cfg = {
         "num_heads": num_heads,
@@ -171,6 +180,9 @@ def write_config(out: Path, num_heads: int, hidden: int, model_name: str,
         "dtype": "float16",
         "heldout_top1": [h["top1"] for h in heads],
         "heldout_top5": [h["top5"] for h in heads],
+        # The best static tree on the training positions, most valuable node first
+        # (medusa_tree.py): the drafter's tree unless speculative_config gives one.
+        "tree_choices": [list(c) for c in choices or []],
     }
     (out / "medusa_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
@@ -209,6 +221,9 @@ def main() -> None:
     parser.add_argument("--negatives", type=int, default=2048, help="sampled-softmax negatives")
     parser.add_argument("--loss-topk", type=int, default=8,
                         help="target top-k used as soft labels (fewer = smaller softmax set)")
+    parser.add_argument("--tree-nodes", type=int, default=64, help="draft nodes of the stored tree")
+    parser.add_argument("--tree-top-k", type=int, default=10, help="ranks per head the tree may use")
+    parser.add_argument("--eval-only", action="store_true", help="no training: evaluate the heads in --out")
     args = parser.parse_args()
     setup_threads(args.threads)
     cfg = dd.config_from_args(args)
@@ -217,17 +232,25 @@ def main() -> None:
     train_data = FlatData(train_recs, args.num_heads)
     heldout = FlatData(heldout_recs, args.num_heads)
     print(f"{len(train_data)} train / {len(heldout)} held-out positions")
-    model = MedusaHeads(args.num_heads, embed.shape[1])
-    t0 = time.time()
-    train(model, train_data, embed, args)
-    report = {"steps": args.steps, "train_minutes": round((time.time() - t0) / 60, 1),
-              "train_positions": len(train_data), "data": dd.distill_dir(cfg).name}
-    size = save_heads(model, args.out)
-    write_config(args.out, args.num_heads, embed.shape[1], cfg.model, None)
-    # Measure the shipped fp16 heads, not the fp32 weights still in memory.
-    report["heldout"] = evaluate(load_saved(args.out), heldout, embed)
+    if args.eval_only:  # re-measure the heads in --out and choose their tree
+        report = json.loads((args.out / "accuracy.json").read_text())
+        size = (args.out / "medusa_heads.safetensors").stat().st_size
+    else:
+        model = MedusaHeads(args.num_heads, embed.shape[1])
+        t0 = time.time()
+        train(model, train_data, embed, args)
+        report = {"steps": args.steps, "train_minutes": round((time.time() - t0) / 60, 1),
+                  "train_positions": len(train_data), "data": dd.distill_dir(cfg).name}
+        size = save_heads(model, args.out)
+        write_config(args.out, args.num_heads, embed.shape[1], cfg.model, None)
+    # Measure the shipped fp16 heads, not the fp32 weights still in memory; choose the
+    # tree on the training positions, report it on the held-out ones.
+    shipped = load_saved(args.out)
+    choices = best_choices(head_ranks(shipped, train_data, embed, args.tree_top_k), args.tree_top_k,
+                           args.tree_nodes)
+    report["heldout"] = evaluate(head_ranks(shipped, heldout, embed, args.tree_top_k), heldout, choices)
     report["checkpoint_bytes"] = size
-    write_config(args.out, args.num_heads, embed.shape[1], cfg.model, report["heldout"])
+    write_config(args.out, args.num_heads, embed.shape[1], cfg.model, report["heldout"], choices)
     (args.out / "accuracy.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

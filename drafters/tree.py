@@ -48,8 +48,9 @@ SMOLLM2_MEDUSA_RANK_ACCURACY: list[list[float]] = [
     [0.588, 0.077, 0.046, 0.028, 0.017],
 ]
 
-# The default static tree: 24 drafts (25 nodes) chosen by `greedy_choices` from the
-# estimates above, i.e. the most likely-accepted 24 paths; it uses all 4 heads.
+# The fallback static tree, for heads whose medusa_config.json has no measured
+# `tree_choices` (train_medusa.py stores the best tree on its data, see medusa_tree.py):
+# 24 drafts (25 nodes) chosen by `greedy_choices` from the estimates above.
 # Equal to greedy_choices(SMOLLM2_MEDUSA_RANK_ACCURACY, 24) (a test checks it).
 DEFAULT_CHOICES: list[Choice] = [
     (0,), (0, 0), (1,), (0, 0, 0), (2,), (0, 0, 0, 0), (1, 0), (3,), (0, 1), (2, 0), (1, 0, 0),

@@ -37,6 +37,7 @@ PRESETS: dict[str, dict[str, Any] | None] = {
     "medusa": {"method": "medusa", "num_speculative_tokens": 4, "model": str(MEDUSA_DIR)},
     "medusa-tree": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 24, "model": str(MEDUSA_DIR)},
     "medusa-tree4": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 4, "model": str(MEDUSA_DIR)},
+    "medusa-tree64": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 64, "model": str(MEDUSA_DIR)},
 }
 # "<preset>-adaptive": the same drafter with adaptive speculation (k chosen per step, down to 0).
 PRESETS.update({f"{name}-adaptive": {**config, "adaptive": True} for name, config in PRESETS.items() if config})
