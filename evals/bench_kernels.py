@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specdec.allocator import keep_freed_memory
 from specdec.config import EngineConfig
 from specdec.model_registry import DEFAULT_MODEL, resolve_model
 from specdec.model_runner import KVCache, ModelRunner
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_arguments(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as the engine does: otherwise bigger steps also pay page faults
     backends = args.backends or available_linear_backends()
     model_dir = resolve_model(args.model)
     model = load_model(model_dir, max_positions=max(args.context_lens) + max(args.query_lens) + 1)
