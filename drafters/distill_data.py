@@ -15,7 +15,7 @@ the target's generations rather than from a text corpus. This module
 Everything is cached in shards under `$SPECDEC_HOME/distill/<model>/<tag>/`, so an
 interrupted run resumes and both trainers reuse the same data.
 
-    python -m specdec.drafters.distill_data --num-train 633 --num-heldout 64
+    python -m specdec.drafters.distill_data --num-train 753 --num-heldout 64
 """
 from __future__ import annotations
 
@@ -161,6 +161,32 @@ MATH_TEMPLATES = [
     ("{n1} read {a} pages on Monday and {b} pages on each of the next {c} days. How many "
     "pages did {n1} read in total?"),
 ]
+# Open-ended writing (blog posts, emails, stories, role play): the kind of chat where the
+# first heads trained without it guessed worst. Topics are our own; none is an evaluation
+# prompt's.
+WRITING_TEMPLATES = [
+    "Write a short blog post about {x}.",
+    "Draft a friendly email to a colleague telling them about {x}.",
+    "Write a short story about {x}.",
+    "Write a persuasive paragraph about {x}.",
+    "Write a letter to a friend describing {x}.",
+    "Give a short motivational speech inspired by {x}.",
+]
+WRITING_TOPICS = [
+    "a rainy afternoon in a small cafe", "the first day at a new job", "a family picnic by the river",
+    "a lost cat finding its way home", "a bicycle tour along the coast", "learning to cook from a grandparent",
+    "a power outage in the city", "volunteering at an animal shelter", "moving to a new country",
+    "a surprise birthday party", "a night at the observatory", "a street market on a Sunday morning",
+    "a friendship that began on a train", "finishing a marathon", "planting a community garden",
+    "a snowy weekend in a cabin", "the last day of school", "a visit to a science museum",
+]
+ROLE_PLAYS = [
+    "Pretend you are a {role}. Introduce yourself to {audience} and describe a typical day.",
+    "You are a {role}. Give {audience} three pieces of advice from your work.",
+]
+ROLES = [("lighthouse keeper", "a class of schoolchildren"), ("museum curator", "new volunteers"),
+         ("ship's captain", "first-time passengers"), ("park ranger", "a group of hikers"),
+         ("baker", "a cooking club"), ("zookeeper", "visiting students")]
 NAMES = ["Ava", "Liam", "Noah", "Mia", "Omar", "Priya", "Lucas", "Zoe", "Ethan", "Sofia"]
 
 
@@ -193,7 +219,13 @@ def build_prompts(seed: int = PROMPT_SEED) -> list[str]:
     prompts += _math_prompts(rng, 120)
     prompts = list(dict.fromkeys(prompts))  # dedupe, keep order
     rng.shuffle(prompts)
-    return prompts
+    # Added later, so appended (shuffled among themselves): the held-out split and the
+    # first 633 training prompts, hence the cached shards of earlier data sets, stay as
+    # they were.
+    writing = [t.format(x=x) for t in WRITING_TEMPLATES for x in WRITING_TOPICS]
+    writing += [t.format(role=role, audience=audience) for t in ROLE_PLAYS for role, audience in ROLES]
+    rng.shuffle(writing)
+    return prompts + writing
 
 
 def split_prompts(num_train: int, num_heldout: int, seed: int = PROMPT_SEED) -> dict[str, list[str]]:
@@ -215,7 +247,7 @@ def split_prompts(num_train: int, num_heldout: int, seed: int = PROMPT_SEED) -> 
 @dataclass
 class DistillConfig:
     model: str = DEFAULT_MODEL
-    num_train: int = 633  # every prompt not held out
+    num_train: int = 753  # every prompt not held out
     num_heldout: int = 64
     max_new_tokens: int = 160
     batch_size: int = 32

@@ -98,6 +98,8 @@ def test_engine_step_failure_is_a_500_and_serving_goes_on(server: RunningServer,
             raise RuntimeError("boom in the scheduler")
         return step()
 
+    # Requests left by earlier tests (disconnects, fuzzing) would take the failures.
+    assert wait_until(lambda: not server.engine.has_unfinished_requests())
     monkeypatch.setattr(server.engine, "step", failing_step)
     response = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4})
     assert response.status_code == 500, response.text

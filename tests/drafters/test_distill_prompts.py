@@ -1,0 +1,31 @@
+"""The distillation prompt set: disjoint from the evaluation prompts, and grown only by
+appending, so earlier splits and cached shards stay valid."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdec.drafters import distill_data as dd
+
+EVAL_PROMPTS = Path(__file__).parents[2] / "evals" / "prompts"
+
+
+def _writing() -> set[str]:
+    prompts = {t.format(x=x) for t in dd.WRITING_TEMPLATES for x in dd.WRITING_TOPICS}
+    return prompts | {t.format(role=r, audience=a) for t in dd.ROLE_PLAYS for r, a in dd.ROLES}
+
+
+def test_no_distillation_prompt_is_an_evaluation_prompt() -> None:
+    turns = {turn for path in EVAL_PROMPTS.glob("*.jsonl")
+             for line in path.read_text().splitlines() if line.strip()
+             for turn in json.loads(line).get("turns", [])}
+    assert turns and not set(dd.build_prompts()) & turns
+
+
+def test_writing_prompts_come_after_the_earlier_set() -> None:
+    prompts, writing = dd.build_prompts(), _writing()
+    first = len(prompts) - len(writing)
+    assert first == 697 and set(prompts[first:]) == writing
+    split = dd.split_prompts(633, 64)
+    assert not (set(split["heldout"]) | set(split["train"])) & writing
+    assert dd.split_prompts(753, 64)["train"][:633] == split["train"]
