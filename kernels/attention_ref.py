@@ -17,6 +17,7 @@ slot, so row invariance holds for every cache dtype.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,15 +58,21 @@ def gather_kv_ref(kv: PagedKV,
                   slots: torch.Tensor,  # [...] flat slots
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # k, v: [..., Hkv, D]
     """K and V of the given slots in `dtype`, fp8 dequantised (in fp32, then cast)."""
-    return _dequant(kv.k, kv.k_scale, slots, dtype), _dequant(kv.v, kv.v_scale, slots, dtype)
+    return _read_kv(kv, lambda cache: _gather(cache, slots), dtype)
 
 
-def _dequant(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor,
+def _read_kv(kv: PagedKV, gather: Callable[[torch.Tensor], torch.Tensor],
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V through `gather` (applied alike to the data and, for fp8, to its scales)."""
+    return _dequant(kv.k, kv.k_scale, gather, dtype), _dequant(kv.v, kv.v_scale, gather, dtype)
+
+
+def _dequant(cache: torch.Tensor, scale: torch.Tensor | None, gather: Callable[[torch.Tensor], torch.Tensor],
              dtype: torch.dtype) -> torch.Tensor:
-    data = _gather(cache, slots)
+    data = gather(cache)
     if scale is None:
         return data.to(dtype)
-    return dequantize_fp8(data, _gather(scale, slots)).to(dtype)
+    return dequantize_fp8(data, gather(scale)).to(dtype)
 
 
 @dataclass
@@ -141,16 +148,7 @@ def _gather_keys(kv: PagedKV, keys: _Keys,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # k, v: [..., length, Hkv, D]
     if not keys.by_block:
         return gather_kv_ref(kv, keys.index, dtype)
-    k = _dequant_blocks(kv.k, kv.k_scale, keys, dtype)
-    return k, _dequant_blocks(kv.v, kv.v_scale, keys, dtype)
-
-
-def _dequant_blocks(cache: torch.Tensor, scale: torch.Tensor | None, keys: _Keys,
-                    dtype: torch.dtype) -> torch.Tensor:  # [..., length, Hkv, D]
-    data = _gather_blocks(cache, keys)
-    if scale is None:
-        return data.to(dtype)
-    return dequantize_fp8(data, _gather_blocks(scale, keys)).to(dtype)
+    return _read_kv(kv, lambda cache: _gather_blocks(cache, keys), dtype)
 
 
 def _gather_blocks(cache: torch.Tensor,  # [num_blocks, block_size, *inner]: data or scales
