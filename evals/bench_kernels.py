@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--backends", default=None, type=lambda s: s.split(","),
                         help="comma-separated; default: every backend available here")
+    parser.add_argument("--attention-backends", default=["auto"], type=lambda s: s.split(","),
+                        help="engine attention_backend values to time side by side (auto, cpp, torch)")
     parser.add_argument("--query-lens", default=[1, 2, 4, 8, 9, 16, 32], type=_ints)
     parser.add_argument("--context-lens", default=[128, 512, 1024], type=_ints)
     parser.add_argument("--micro-rows", default=[1, 2, 4, 8, 9, 16, 32], type=_ints)
@@ -148,8 +150,11 @@ class VerifyRig:
 def bench_model(rig: VerifyRig, packed: dict[str, PackedWeights], args: argparse.Namespace
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """ms per forward: (medians, mins), each backend -> context -> query length."""
-    def install(p: PackedWeights) -> Callable[[], None]:
-        return lambda: install_packed_weights(rig.model, p)
+    def install(p: PackedWeights, attention: str) -> Callable[[], None]:
+        def setup() -> None:
+            install_packed_weights(rig.model, p)
+            rig.runner.config.attention_backend = attention
+        return setup
 
     def step(context: int, q: int) -> Callable[[], Tensor]:
         return lambda: rig.step(context, q)
@@ -158,7 +163,9 @@ def bench_model(rig: VerifyRig, packed: dict[str, PackedWeights], args: argparse
     for context in args.context_lens:
         for q in args.query_lens:
             for name, p in packed.items():
-                points[(name, context, q)] = (install(p), step(context, q))
+                for attention in args.attention_backends:
+                    label = name if len(args.attention_backends) == 1 else f"{name}, attention {attention}"
+                    points[(label, context, q)] = (install(p, attention), step(context, q))
     medians: dict[str, Any] = {}
     mins: dict[str, Any] = {}
     for (name, context, q), t in time_interleaved(points, args.repeats, args.min_time).items():

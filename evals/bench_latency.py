@@ -5,6 +5,10 @@ alike; speedups are ratios of tokens/s measured side by side.
 
     python evals/bench_latency.py --methods hf,plain,ngram,draft_model \
         --categories summarization,rag,code:rewrite,qa,math_reasoning --num-prompts 3 --concurrency 1,4,16
+
+A method may add engine options after "@" (plain@attention=torch, ngram@kv=fp16@linear=int8):
+the same preset on an engine with that attention_backend, kv_cache_dtype or linear_backend,
+to compare them side by side.
 """
 from __future__ import annotations
 
@@ -41,6 +45,21 @@ PRESETS: dict[str, dict[str, Any] | None] = {
 }
 # "<preset>-adaptive": the same drafter with adaptive speculation (k chosen per step, down to 0).
 PRESETS.update({f"{name}-adaptive": {**config, "adaptive": True} for name, config in PRESETS.items() if config})
+ENGINE_OPTIONS = {"attention": "attention_backend", "kv": "kv_cache_dtype", "linear": "linear_backend"}
+
+
+def parse_method(method: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """A method name -> (speculative config, LLM keyword arguments)."""
+    preset, *options = method.split("@")
+    if preset not in PRESETS:
+        raise SystemExit(f"unknown method {preset!r}; presets: {', '.join(PRESETS)}")
+    kwargs = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in ENGINE_OPTIONS or not value:
+            raise SystemExit(f"bad engine option {option!r} in {method!r}: use {'|'.join(ENGINE_OPTIONS)}=<value>")
+        kwargs[ENGINE_OPTIONS[key]] = value
+    return PRESETS[preset], kwargs
 
 
 class HFRunner:
@@ -62,7 +81,9 @@ def build_runners(args: argparse.Namespace) -> dict[str, Any]:
     for method in args.methods:
         if method == "hf":
             continue
-        runners[method] = LLM(args.model, speculative_config=PRESETS[method], max_model_len=args.max_model_len)
+        speculative, options = parse_method(method)
+        runners[method] = LLM(args.model, speculative_config=speculative, max_model_len=args.max_model_len,
+                              **options)
     if "hf" in args.methods:
         base = next(iter(runners.values()), None) or LLM(args.model, max_model_len=args.max_model_len)
         runners["hf"] = HFRunner(base.model_dir)

@@ -1,15 +1,49 @@
-"""Dispatch: Triton kernels on CUDA tensors, the torch reference elsewhere."""
+"""Dispatch: Triton kernels on CUDA tensors; on the CPU, the C++ kernel for short rows
+(attention_cpu.py) where it builds, else the torch reference.
+
+The engine's attention_backend, carried by AttentionMetadata.backend, picks the CPU path:
+"auto" (the C++ kernel if it builds here, with one warning if not), "cpp" (the C++
+kernel; the engine refuses to start if it cannot build), "torch" (the reference only).
+Shapes the C++ kernel lacks (a head dim it is not built for, non-fp32 queries) take the
+reference whatever the backend.
+"""
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 
+from specdec.kernels import attention_cpu
 from specdec.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
 
+logger = logging.getLogger(__name__)
+BACKENDS = ("auto", "cpp", "torch")
+
 
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
+
+
+def check_backend(backend: str) -> None:
+    """ValueError for an unknown backend; KernelBuildError if "cpp" cannot build here."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention_backend {backend!r} is not one of {list(BACKENDS)}")
+    if backend == "cpp":
+        attention_cpu.load()
+
+
+@functools.cache
+def cpp_available() -> bool:
+    """Whether the C++ kernel builds and loads here (tried once per process)."""
+    try:
+        attention_cpu.load()
+    except attention_cpu.KernelBuildError as error:
+        logger.warning("C++ attention kernel unavailable, using the torch reference (slower): %s", error)
+        return False
+    return True
 
 
 def store_kv(
@@ -36,4 +70,10 @@ def paged_attention(
         from specdec.kernels.attention_triton import paged_attention_triton
 
         return paged_attention_triton(query, kv, meta, scale)
+    if _use_cpp(meta.backend) and attention_cpu.supports(query, kv):
+        return attention_cpu.paged_attention_cpu(query, kv, meta, scale)
     return paged_attention_ref(query, kv, meta, scale)
+
+
+def _use_cpp(backend: str) -> bool:
+    return backend == "cpp" or (backend == "auto" and cpp_available())

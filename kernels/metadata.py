@@ -27,6 +27,7 @@ class AttentionMetadata:
     # [T, max_query_len] bool: row t (a query token) may see query token j of its own
     # request; None means causal among the query tokens.
     tree_mask: torch.Tensor | None = None
+    backend: str = "auto"  # the engine's attention_backend (kernels/attention.py)
     # Index tensors a kernel derives once per step and reuses in every layer.
     plan_cache: dict[str, Any] = field(default_factory=dict)
 

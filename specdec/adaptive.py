@@ -292,7 +292,7 @@ class Stopwatch:
 
 @torch.inference_mode()
 def calibrate(model: LlamaForCausalLM, kv_layers: list[Any], block_size: int,
-              context: int = 64, repeats: int = 3) -> CostModel:
+              context: int = 64, repeats: int = 3, attention_backend: str = "auto") -> CostModel:
     """Time target forwards of one request over T query tokens after `context` cached ones
     (kv_layers: the model's per-layer paged caches).
 
@@ -301,6 +301,7 @@ def calibrate(model: LlamaForCausalLM, kv_layers: list[Any], block_size: int,
     seconds = []
     for size in CALIBRATION_SIZES:
         meta, ids, positions = _synthetic_batch(size, context, block_size)
+        meta.backend = attention_backend
         times = []
         for _ in range(repeats):
             watch = Stopwatch()

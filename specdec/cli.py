@@ -32,6 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--linear-backend", default="auto",
                         help="packed CPU matmuls for the projections and LM head: fp32 | fp16 | int8 | bf16 "
                              "| onednn-fp32 | onednn-bf16 (see evals/bench_kernels.py)")
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "cpp", "torch"),
+                        help="CPU attention: the C++ paged kernel (cpp; auto uses it when it builds) or "
+                             "the torch reference (torch); CUDA always runs Triton")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -42,6 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
         dtype=args.dtype, seed=args.seed, linear_backend=args.linear_backend,
+        attention_backend=args.attention_backend,
     )
 
 

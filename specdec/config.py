@@ -80,6 +80,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     dtype: torch.dtype = torch.float32
     linear_backend: str = "auto"  # specdec.models.linear: auto | fp32 | fp16 | int8 | bf16 | onednn-*
+    attention_backend: str = "auto"  # specdec.kernels.attention: auto | cpp | torch
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -102,6 +103,9 @@ class EngineConfig:
             self.linear_backend = default_linear_backend() if self.dtype == torch.float32 else "fp32"
 
         get_linear_backend(self.linear_backend)  # ValueError if unknown or unavailable
+        from specdec.kernels.attention import check_backend
+
+        check_backend(self.attention_backend)  # ValueError if unknown, KernelBuildError if "cpp" cannot build
         if self.linear_backend != "fp32" and self.dtype != torch.float32:
             raise ValueError(f"linear_backend {self.linear_backend!r} needs dtype float32 "
                              f"(activations stay fp32), got {self.dtype}")

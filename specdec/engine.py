@@ -257,7 +257,8 @@ def _eos_token_ids(model_dir: Any, tokenizer: Any) -> set[int]:
 
 def _build_adaptive(engine: LLMEngine) -> AdaptiveSpeculation:
     """Calibrate the target's forward cost now, while the KV pool is still empty."""
-    cost = calibrate(engine.model, engine.runner.kv_cache.layers, engine.config.block_size)
+    cost = calibrate(engine.model, engine.runner.kv_cache.layers, engine.config.block_size,
+                     attention_backend=engine.config.attention_backend)
     spec = engine.config.speculative_config
     return AdaptiveSpeculation(cost, tree_mode=bool(spec and spec.num_tree_nodes))
 

@@ -35,6 +35,7 @@ class LLM:
         dtype: str = "float32",
         seed: int = 0,
         linear_backend: str = "auto",
+        attention_backend: str = "auto",
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
@@ -43,7 +44,7 @@ class LLM:
             max_num_seqs=max_num_seqs, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
             enable_prefix_caching=enable_prefix_caching,
             speculative_config=SpeculativeConfig.from_dict(speculative_config), dtype=_DTYPES[dtype], seed=seed,
-            linear_backend=linear_backend,
+            linear_backend=linear_backend, attention_backend=attention_backend,
         )
         if kv_cache_memory is not None:
             config.kv_cache_memory = kv_cache_memory

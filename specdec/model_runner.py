@@ -101,6 +101,7 @@ class ModelRunner:
             block_tables=int32(tables),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
+            backend=self.config.attention_backend,
         )
 
 

@@ -133,14 +133,18 @@ def test_bad_speculative_config_is_named(tiny_model_dir) -> None:  # type: ignor
         LLM(str(tiny_model_dir), speculative_config={"method": "draft_model"})
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_verify_reproduces_decode_bit_for_bit(tiny_model_dir, tiny_draft_dir, method) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("attention", ["cpp", "torch"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_tree"])
+def test_verify_reproduces_decode_bit_for_bit(tiny_model_dir, tiny_draft_dir, method, attention) -> None:  # type: ignore[no-untyped-def]
     """With row-invariant linears (fp16) and attention, a verify row computes exactly what
     a decode step computes: the logprobs of every emitted token agree to the last bit."""
-    plain = LLM(str(tiny_model_dir), max_model_len=256, linear_backend="fp16")
+    plain = LLM(str(tiny_model_dir), max_model_len=256, linear_backend="fp16", attention_backend=attention)
     # The target as its own draft: long accepted runs, so many rows are verified.
-    spec = LLM(str(tiny_model_dir), max_model_len=256, linear_backend="fp16",
-               speculative_config=spec_configs(tiny_model_dir, tiny_model_dir)[method])
+    configs = {**spec_configs(tiny_model_dir, tiny_model_dir),
+               "draft_tree": {"method": "draft_model", "num_speculative_tokens": 3, "num_tree_nodes": 8,
+                              "model": str(tiny_model_dir)}}
+    spec = LLM(str(tiny_model_dir), max_model_len=256, linear_backend="fp16", attention_backend=attention,
+               speculative_config=configs[method])
     prompts = random_prompts(40, 4)
     params = greedy(logprobs=2)
     expected = [o.outputs[0].logprobs for o in plain.generate(prompts, params)]

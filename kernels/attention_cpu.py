@@ -1,0 +1,156 @@
+"""Paged attention on the CPU: short query rows through the C++ kernel, long prefill
+chunks through the torch reference.
+
+Short rows (decodes, verify rows, tree nodes: requests with at most SHORT_QUERY query
+tokens this step) read K/V straight from the paged cache (csrc/paged_attention.cpp): no
+gathered copy, no padding to a bucket, no SDPA call per row. Each row is described by
+the request whose block table it reads, a prefix length (it sees the request's first
+`prefix` positions) and, for tree nodes off the first path, extra positions (its
+ancestors among the query tokens). The kernel is row-invariant, so speculation stays
+token-identical to plain decoding. Long prefill chunks are compute-bound and already
+efficient as one causal SDPA call each.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from specdec.kernels import cpu_build
+from specdec.kernels.attention_ref import SHORT_QUERY, attend_long_ref
+from specdec.kernels.kv_cache import FP8, PagedKV
+from specdec.kernels.metadata import AttentionMetadata
+
+_CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, FP8: 3}
+_LIBRARY = "paged_attention"
+
+
+@dataclass
+class _Rows:
+    """The short rows of a step, as the kernel reads them: [R] each unless noted. Rows
+    come in groups, each of one request: the kernel reads the keys every row of a group
+    sees once for all of them (a verify's rows, a tree's nodes)."""
+
+    rows: torch.Tensor  # query rows
+    prefixes: torch.Tensor  # the row sees positions 0..prefix-1 of its request
+    extra_start: torch.Tensor  # [R + 1] CSR offsets into extra
+    extra: torch.Tensor  # [E] further positions each row sees, in order
+    group_start: torch.Tensor  # [num_groups + 1] CSR offsets into the rows
+    group_requests: torch.Tensor  # [num_groups] the request (block table row) of each group
+
+
+def supports(query: torch.Tensor, kv: PagedKV) -> bool:
+    """Whether this kernel can run these tensors here (else use the reference); loads it."""
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and kv.k.dtype in _CACHE_DTYPES
+            and _supports_head_dim(query.shape[-1]))
+
+
+@functools.cache
+def _supports_head_dim(head_dim: int) -> bool:
+    return bool(_library().specdec_paged_attention_supports(head_dim))
+
+
+KernelBuildError = cpu_build.KernelBuildError
+
+
+def load() -> None:
+    """Build (first time on this machine) and load the kernel; KernelBuildError if it cannot."""
+    _library()
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,  # [T, Hq, D] float32
+    kv: PagedKV,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    out = torch.empty_like(query)
+    rows = _plan(meta, kv.k.shape[2])
+    if rows.rows.numel():
+        _attend_rows(query.contiguous(), out, kv, meta, rows, scale)
+    attend_long_ref(query, kv, meta, scale, out)
+    return out
+
+
+def _attend_rows(query: torch.Tensor, out: torch.Tensor, kv: PagedKV, meta: AttentionMetadata, rows: _Rows,
+                 scale: float) -> None:
+    tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.int()
+    tables = tables.contiguous()
+    _, block_size, num_kv_heads, head_dim = kv.k.shape
+    _library().specdec_paged_attention_rows(
+        _ptr(query), _ptr(out), _ptr(kv.k), _ptr(kv.v), _ptr(kv.k_scale), _ptr(kv.v_scale),
+        _CACHE_DTYPES[kv.k.dtype], _ptr(tables), _ptr(rows.rows), _ptr(rows.prefixes), _ptr(rows.extra_start),
+        _ptr(rows.extra), _ptr(rows.group_start), _ptr(rows.group_requests), rows.group_requests.numel(),
+        query.shape[1], num_kv_heads, head_dim, block_size, tables.shape[1], scale, torch.get_num_threads())
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    if tensor is None:
+        return None
+    assert tensor.is_contiguous(), "the C++ kernel reads contiguous tensors"
+    return tensor.data_ptr()
+
+
+def _library() -> ctypes.CDLL:
+    library = cpu_build.load(_LIBRARY)
+    function = library.specdec_paged_attention_rows
+    if function.argtypes is None:
+        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int32] + [ctypes.c_void_p] * 7 + \
+            [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int32]
+        function.restype = None
+        library.specdec_paged_attention_supports.argtypes = [ctypes.c_int64]
+        library.specdec_paged_attention_supports.restype = ctypes.c_int32
+    return library
+
+
+def _plan(meta: AttentionMetadata, num_kv_heads: int) -> _Rows:
+    key = f"cpu:{num_kv_heads}"
+    if key not in meta.plan_cache:
+        meta.plan_cache[key] = _short_rows(meta, num_kv_heads)
+    rows: _Rows = meta.plan_cache[key]
+    return rows
+
+
+def _short_rows(meta: AttentionMetadata, num_kv_heads: int) -> _Rows:
+    rows: list[int] = []
+    prefixes: list[int] = []
+    extra_start = [0]
+    extra: list[int] = []
+    group_start = [0]
+    group_requests: list[int] = []
+    short = [b for b, q_len in enumerate(meta.query_lens_cpu) if q_len <= SHORT_QUERY]
+    # (group, kv head) pairs are the kernel's work items: split groups until every thread has two.
+    parts = -(-2 * torch.get_num_threads() // max(1, len(short) * num_kv_heads))
+    for b in short:
+        keys = _row_keys(meta, b)
+        size = -(-len(keys) // min(parts, len(keys)))
+        for first in range(0, len(keys), size):
+            for row, prefix, seen in keys[first : first + size]:
+                rows.append(row)
+                prefixes.append(prefix)
+                extra.extend(seen)
+                extra_start.append(len(extra))
+            group_start.append(len(rows))
+            group_requests.append(b)
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    return _Rows(as_long(rows), as_long(prefixes), as_long(extra_start), as_long(extra), as_long(group_start),
+                 as_long(group_requests))
+
+
+def _row_keys(meta: AttentionMetadata, b: int) -> list[tuple[int, int, list[int]]]:
+    """(query row, prefix, extra positions) of each query token of request b."""
+    q_len, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
+    context, start = seq_len - q_len, int(meta.query_start_loc[b])
+    if meta.tree_mask is None:
+        return [(start + i, context + i + 1, []) for i in range(q_len)]
+    sees = meta.tree_mask[start : start + q_len, :q_len].tolist()  # [q_len][q_len] bool
+    keys: list[tuple[int, int, list[int]]] = []
+    for i, row in enumerate(sees):
+        count = sum(row)
+        if all(row[:count]):  # a run from the first query token: a plain prefix
+            keys.append((start + i, context + count, []))
+        else:
+            keys.append((start + i, context, [context + j for j, seen in enumerate(row) if seen]))
+    return keys

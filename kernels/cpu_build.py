@@ -1,0 +1,77 @@
+"""Compiles the C++ CPU kernels on first use and loads them with ctypes.
+
+The library is built for the machine it runs on (-march=native) and cached under
+$SPECDEC_HOME/kernels, keyed by the source, the compiler and flags, and the CPU's feature
+flags, so a home shared between machines never loads code built for another CPU. Only a
+C++ compiler is needed (g++ by default, or $CXX): no torch headers, so a build takes
+about a second. OpenMP comes from the libgomp torch already loaded.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from specdec.model_registry import specdec_home
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be compiled or loaded here."""
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL:
+    """csrc/<name>.cpp as a loaded library, compiled first if not cached."""
+    source = SOURCE_DIR / f"{name}.cpp"
+    compiler = os.environ.get("CXX", "g++")
+    library = specdec_home() / "kernels" / f"{name}-{_digest(source, compiler)}.so"
+    if not library.exists():
+        _compile(source, compiler, library)
+    try:
+        return ctypes.CDLL(str(library))
+    except OSError as error:
+        raise KernelBuildError(f"cannot load {library}: {error}") from error
+
+
+def _digest(source: Path, compiler: str) -> str:
+    parts = [source.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
+             platform.machine().encode(), _cpu_flags().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def _compile(source: Path, compiler: str, library: Path) -> None:
+    if shutil.which(compiler) is None:
+        raise KernelBuildError(f"no C++ compiler {compiler!r} on PATH (set CXX) to build {source.name}")
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent first uses never load a partial file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *FLAGS, str(source), "-o", partial], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelBuildError(f"{compiler} failed on {source.name}:\n{result.stderr[-4000:]}")
+        os.replace(partial, library)
+        logger.info("built %s", library)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)

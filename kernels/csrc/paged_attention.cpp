@@ -1,0 +1,336 @@
+// Paged attention for short query rows (decodes, verify rows, tree nodes) on the CPU.
+//
+// Each query row reads its keys straight from the paged cache through its request's
+// block table: no gathered copy of K/V, no padding. A row's keys are the first
+// `prefix` positions of its request's context followed by `extra` positions (a tree
+// node's ancestors among the query tokens). One (row, kv head) is one work item, done
+// start to finish by one thread with a fixed order of operations, so a row's result
+// depends only on its query and its key sequence: a verify row reproduces the decode of
+// the same context bit for bit, whatever else is in the batch and however many threads
+// run. Built by specdec/kernels/cpu_build.py (g++ -O3 -march=native -fopenmp) and
+// called through ctypes from attention_cpu.py; attention_ref.py is the reference it is
+// tested against.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum CacheDtype : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFp8E4M3 = 3 };
+
+// Sums keep kLanes partial sums, combined in a fixed order, never an `omp simd
+// reduction`: a compiler-chosen reduction may start at an alignment boundary, so its
+// rounding would depend on where a buffer happens to sit in memory.
+constexpr int64_t kLanes = 16;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline Lanes load(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
+
+// Lane l += lane l + 8, then + 4, + 2, + 1, in registers (a store and scalar reloads
+// would stall on store forwarding, once per key and head).
+inline float sum_lanes(Lanes v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  v += __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+  return v[0];
+}
+
+// exp(x) for x <= 0 (scores minus their max), Cephes' polynomial: about 1 ulp.
+inline Lanes exp_nonpositive(Lanes x) {
+  const Lanes low = Lanes{} - 87.0f;
+  x = x < low ? low : x;
+  const Lanes t = x * 1.44269504088896341f + 0.5f;
+  IntLanes n = __builtin_convertvector(t, IntLanes);  // truncates toward zero
+  n += (__builtin_convertvector(n, Lanes) > t);       // to floor: true lanes are -1
+  const Lanes nf = __builtin_convertvector(n, Lanes);
+  const Lanes r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  Lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * reinterpret_cast<Lanes>((n + 127) << 23);
+}
+
+// row[0:n] = exp(row - top); returns their sum.
+float exponentiate(float* row, int64_t n, float top) {
+  Lanes total = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const Lanes e = exp_nonpositive(load(row + j) - top);
+    store(row + j, e);
+    total += e;
+  }
+  if (j < n) {  // the tail through the same vector code, so every element rounds alike
+    float tail[kLanes] = {};
+    std::memcpy(tail, row + j, (n - j) * sizeof(float));
+    const Lanes e = exp_nonpositive(load(tail) - top);
+    for (int64_t l = 0; l < n - j; ++l) {
+      total[l] += e[l];
+      row[j + l] = e[l];
+    }
+  }
+  return sum_lanes(total);
+}
+
+inline float fp8_e4m3_to_float(uint8_t bits) {
+  // e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities.
+  const int exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
+  float magnitude = exponent == 0 ? mantissa * (1.0f / 512.0f)  // subnormal: m / 8 * 2^-6
+                                  : (8 + mantissa) * (1.0f / 8.0f) * static_cast<float>(1 << exponent) / 128.0f;
+  if (exponent == 0xF && mantissa == 0x7) magnitude = __builtin_nanf("");
+  return (bits & 0x80) ? -magnitude : magnitude;
+}
+
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) value[i] = fp8_e4m3_to_float(static_cast<uint8_t>(i));
+  }
+};
+const Fp8Table kFp8;
+
+// Head vector `index` of a [*, D] cache view in float32 (fp8 times its scale).
+void convert_head(const void* cache, const float* scales, int32_t dtype, int64_t index, int64_t d, float* out) {
+  if (dtype == kFloat16) {
+    const _Float16* src = static_cast<const _Float16*>(cache) + index * d;
+    for (int64_t i = 0; i < d; ++i) out[i] = static_cast<float>(src[i]);
+  } else if (dtype == kBFloat16) {
+    const uint16_t* src = static_cast<const uint16_t*>(cache) + index * d;
+    for (int64_t i = 0; i < d; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+      std::memcpy(out + i, &bits, sizeof(float));
+    }
+  } else {
+    const uint8_t* src = static_cast<const uint8_t*>(cache) + index * d;
+    for (int64_t i = 0; i < d; ++i) out[i] = kFp8.value[src[i]] * scales[index];
+  }
+}
+
+struct Layout {
+  int64_t num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+};
+
+struct Cache {
+  const void* k;
+  const void* v;
+  const float* k_scale;  // fp8 only, else null
+  const float* v_scale;
+  int32_t dtype;
+};
+
+constexpr int64_t kTile = 32;  // shared keys per tile: a K or V tile stays in L1 across a group's rows
+
+// The keys of one kv head: (slot, kv head) indices and their K, V as float32 pointers,
+// into the cache itself or (fp16, bf16, fp8) into buffers converted once per item.
+struct Keys {
+  std::vector<int64_t> heads;
+  std::vector<const float*> k, v;
+  std::vector<float> k_buffer, v_buffer;
+
+  void resolve(const Cache& c, int64_t d) {
+    const int64_t n = static_cast<int64_t>(heads.size());
+    k.resize(n);
+    v.resize(n);
+    if (c.dtype != kFloat32) {
+      k_buffer.resize(n * d);
+      v_buffer.resize(n * d);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (c.dtype == kFloat32) {
+        k[j] = static_cast<const float*>(c.k) + heads[j] * d;
+        v[j] = static_cast<const float*>(c.v) + heads[j] * d;
+        continue;
+      }
+      convert_head(c.k, c.k_scale, c.dtype, heads[j], d, k_buffer.data() + j * d);
+      convert_head(c.v, c.v_scale, c.dtype, heads[j], d, v_buffer.data() + j * d);
+      k[j] = k_buffer.data() + j * d;
+      v[j] = v_buffer.data() + j * d;
+    }
+  }
+};
+
+inline int64_t head_of(const int32_t* table, int64_t position, int64_t g, const Layout& l) {
+  const int64_t slot = static_cast<int64_t>(table[position / l.block_size]) * l.block_size + position % l.block_size;
+  return slot * l.num_kv_heads + g;
+}
+
+// Indices of positions [begin, end), walking the block table block by block.
+void append_range(const int32_t* table, int64_t begin, int64_t end, int64_t g, const Layout& l,
+                  std::vector<int64_t>& heads) {
+  for (int64_t position = begin; position < end;) {
+    const int64_t first = static_cast<int64_t>(table[position / l.block_size]) * l.block_size;
+    for (int64_t offset = position % l.block_size; offset < l.block_size && position < end; ++offset, ++position)
+      heads.push_back((first + offset) * l.num_kv_heads + g);
+  }
+}
+
+// A group: query rows of one request that all see the request's first `base` positions
+// (shared keys, read once per tile for every row), each then its own further keys.
+struct Group {
+  int64_t base = 0;
+  Keys shared;
+  std::vector<Keys> own;            // [R]
+  std::vector<const float*> query;  // [R] the row's heads for this kv head: [G, D]
+  std::vector<float*> out;          // [R]
+  std::vector<int64_t> offset;      // [R + 1] start of each row's scores: [G, n_r]
+  std::vector<float> scores, acc;   // softmax weights; [R, G, D] accumulators
+};
+
+struct RowSpec {
+  const int64_t* rows;
+  const int64_t* prefixes;
+  const int64_t* extra_start;
+  const int64_t* extra;
+};
+
+// Fill `grp` for rows [first, last) (of one request) and kv head g.
+void gather_group(const RowSpec& spec, int64_t first, int64_t last, const int32_t* table, int64_t g,
+                  const float* query, float* out, const Cache& c, const Layout& l, Group& grp) {
+  const int64_t num_rows = last - first, group = l.num_heads / l.num_kv_heads, d = l.head_dim;
+  grp.base = spec.prefixes[first];
+  for (int64_t r = first; r < last; ++r) grp.base = spec.prefixes[r] < grp.base ? spec.prefixes[r] : grp.base;
+  grp.shared.heads.clear();
+  append_range(table, 0, grp.base, g, l, grp.shared.heads);
+  grp.shared.resolve(c, d);
+  grp.own.resize(num_rows);
+  grp.query.resize(num_rows);
+  grp.out.resize(num_rows);
+  grp.offset.assign(1, 0);
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const int64_t r = first + i;
+    Keys& own = grp.own[i];
+    own.heads.clear();
+    append_range(table, grp.base, spec.prefixes[r], g, l, own.heads);
+    for (int64_t e = spec.extra_start[r]; e < spec.extra_start[r + 1]; ++e)
+      own.heads.push_back(head_of(table, spec.extra[e], g, l));
+    own.resolve(c, d);
+    grp.query[i] = query + (spec.rows[r] * l.num_heads + g * group) * d;
+    grp.out[i] = out + (spec.rows[r] * l.num_heads + g * group) * d;
+    grp.offset.push_back(grp.offset.back() + group * (grp.base + static_cast<int64_t>(own.heads.size())));
+  }
+  grp.scores.resize(grp.offset.back());
+  grp.acc.assign(num_rows * group * d, 0.0f);
+}
+
+// scores[j] = scale * q . k[j] for j in [begin, end), q (kChunks * kLanes floats) in registers.
+template <int64_t kChunks>
+void score_keys(const float* q, const float* const* k, int64_t begin, int64_t end, float scale, float* scores) {
+  Lanes query[kChunks];
+  for (int64_t c = 0; c < kChunks; ++c) query[c] = load(q + c * kLanes);
+  for (int64_t j = begin; j < end; ++j) {
+    Lanes acc = query[0] * load(k[j]);
+    for (int64_t c = 1; c < kChunks; ++c) acc += query[c] * load(k[j] + c * kLanes);
+    scores[j] = sum_lanes(acc) * scale;
+  }
+}
+
+// acc += sum_j weights[j] * v[j] for j in [begin, end), in key order, accumulators in registers.
+template <int64_t kChunks>
+void mix_keys(const float* weights, const float* const* v, int64_t begin, int64_t end, float* acc) {
+  Lanes sum[kChunks];
+  for (int64_t c = 0; c < kChunks; ++c) sum[c] = load(acc + c * kLanes);
+  for (int64_t j = begin; j < end; ++j)
+    for (int64_t c = 0; c < kChunks; ++c) sum[c] += weights[j] * load(v[j] + c * kLanes);
+  for (int64_t c = 0; c < kChunks; ++c) store(acc + c * kLanes, sum[c]);
+}
+
+// softmax(scale * q . K) V for every row and head of a group. Each (row, head) sees the
+// same operations in the same key order as it would alone: tiles only interleave rows.
+template <int64_t kChunks>
+void attend_group(Group& grp, int64_t group, float scale) {
+  const int64_t num_rows = static_cast<int64_t>(grp.own.size()), d = kChunks * kLanes, base = grp.base;
+  auto weights = [&](int64_t i, int64_t h) { return grp.scores.data() + grp.offset[i] + h * (grp.offset[i + 1] - grp.offset[i]) / group; };
+  for (int64_t t = 0; t < base; t += kTile)
+    for (int64_t i = 0; i < num_rows; ++i)
+      for (int64_t h = 0; h < group; ++h)
+        score_keys<kChunks>(grp.query[i] + h * d, grp.shared.k.data(), t, t + kTile < base ? t + kTile : base, scale,
+                            weights(i, h));
+  std::vector<float> inverse(num_rows * group);
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const int64_t own = static_cast<int64_t>(grp.own[i].k.size()), n = base + own;
+    for (int64_t h = 0; h < group; ++h) {
+      float* w = weights(i, h);
+      score_keys<kChunks>(grp.query[i] + h * d, grp.own[i].k.data(), 0, own, scale, w + base);
+      float top = w[0];
+      for (int64_t j = 1; j < n; ++j) top = w[j] > top ? w[j] : top;
+      inverse[i * group + h] = 1.0f / exponentiate(w, n, top);
+    }
+  }
+  for (int64_t t = 0; t < base; t += kTile)
+    for (int64_t i = 0; i < num_rows; ++i)
+      for (int64_t h = 0; h < group; ++h)
+        mix_keys<kChunks>(weights(i, h), grp.shared.v.data(), t, t + kTile < base ? t + kTile : base,
+                          grp.acc.data() + (i * group + h) * d);
+  for (int64_t i = 0; i < num_rows; ++i)
+    for (int64_t h = 0; h < group; ++h) {
+      float* acc = grp.acc.data() + (i * group + h) * d;
+      mix_keys<kChunks>(weights(i, h) + base, grp.own[i].v.data(), 0, static_cast<int64_t>(grp.own[i].v.size()), acc);
+      for (int64_t c = 0; c < kChunks; ++c)
+        store(grp.out[i] + h * d + c * kLanes, load(acc + c * kLanes) * inverse[i * group + h]);
+    }
+}
+
+using GroupFn = void (*)(Group&, int64_t, float);
+
+// Head dims the kernel is instantiated for (multiples of kLanes); others use the reference.
+GroupFn group_fn(int64_t head_dim) {
+  switch (head_dim) {
+    case 32: return attend_group<2>;
+    case 64: return attend_group<4>;
+    case 80: return attend_group<5>;
+    case 96: return attend_group<6>;
+    case 128: return attend_group<8>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Whether specdec_paged_attention_rows handles this head dim.
+int32_t specdec_paged_attention_supports(int64_t head_dim) { return group_fn(head_dim) != nullptr; }
+
+// query, out: [T, Hq, D] float32 contiguous; k, v: [num_blocks, block_size, Hkv, D] in
+// `dtype`; k_scale, v_scale: [num_blocks, block_size, Hkv] float32 (fp8) or null;
+// block_tables: [B, max_blocks] int32. Row r (of R) is query row rows[r]; it sees its
+// request's positions 0..prefixes[r]-1, then extra[extra_start[r]:extra_start[r + 1]].
+// Rows come in groups of one request each: group i is rows group_start[i]..group_start[i + 1]-1
+// of request group_requests[i].
+void specdec_paged_attention_rows(const float* query, float* out, const void* k, const void* v,
+                                  const float* k_scale, const float* v_scale, int32_t dtype,
+                                  const int32_t* block_tables, const int64_t* rows, const int64_t* prefixes,
+                                  const int64_t* extra_start, const int64_t* extra, const int64_t* group_start,
+                                  const int64_t* group_requests, int64_t num_groups, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                  float scale, int32_t num_threads) {
+  const Layout layout{num_heads, num_kv_heads, head_dim, block_size, scale};
+  const Cache cache{k, v, k_scale, v_scale, dtype};
+  const RowSpec spec{rows, prefixes, extra_start, extra};
+  const GroupFn attend = group_fn(head_dim);
+  const int64_t items = num_groups * num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+  {
+    Group grp;
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t i = item / num_kv_heads, g = item % num_kv_heads;
+      gather_group(spec, group_start[i], group_start[i + 1], block_tables + group_requests[i] * max_blocks, g, query,
+                   out, cache, layout, grp);
+      attend(grp, num_heads / num_kv_heads, scale);
+    }
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,163 @@
+"""The C++ CPU paged-attention kernel against the torch reference, its row invariance,
+and its build and dispatch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.kernels import attention, attention_cpu, cpu_build
+from specdec.kernels.attention_ref import paged_attention_ref, store_kv_ref
+from specdec.kernels.kv_cache import FP8, PagedKV
+from specdec.kernels.metadata import AttentionMetadata
+from tests.kernels.test_attention import make_meta, random_inputs, random_parents, tree_mask_from_parents
+
+ATOL = 2e-5
+
+# (head_dim, Hq, Hkv, block_size): GQA ratios 1 / 3 / 4, head dims 64 / 128, block sizes 8 / 16 / 32.
+SHAPES = [(d, 2 * ratio, 2, bs) for d in (64, 128) for ratio in (1, 3, 4) for bs in (8, 16, 32)]
+# Decodes, verify chains and a long prefill chunk (the reference's path) side by side,
+# contexts off block boundaries and past several blocks.
+BATCHES = [
+    [(0, 1), (7, 1), (33, 1), (200, 1)],
+    [(9, 6), (0, 1), (61, 9), (2, 18)],
+    [(3, 70), (40, 17), (129, 1), (0, 64)],
+]
+
+
+def _check(specs, hq, hkv, d, block_size, seed, trees=None):
+    gen = torch.Generator().manual_seed(seed)
+    meta, num_blocks = make_meta(specs, block_size, gen, trees)
+    q, kv = random_inputs(meta, num_blocks, block_size, hq, hkv, d, gen)
+    got = attention_cpu.paged_attention_cpu(q, kv, meta, d**-0.5)
+    torch.testing.assert_close(got, paged_attention_ref(q, kv, meta, d**-0.5), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("i", range(len(SHAPES)), ids=[f"d{d}-hq{hq}-hkv{hkv}-bs{bs}" for d, hq, hkv, bs in SHAPES])
+def test_matches_reference(i):
+    d, hq, hkv, block_size = SHAPES[i]
+    for b, specs in enumerate(BATCHES):
+        _check(specs, hq, hkv, d, block_size, seed=10 * i + b)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_trees_match_reference(seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    specs = [(13, 7), (0, 1), (21, 5), (6, 9), (45, 33)]
+    trees = [tree_mask_from_parents(random_parents(q, gen)) for _, q in specs]
+    _check(specs, 6, 2, 64, 16, seed, trees)
+
+
+def test_arbitrary_mask_matches_reference():
+    gen = torch.Generator().manual_seed(4)
+    specs = [(3, 6), (10, 4)]
+    trees = [torch.rand(q, q, generator=gen) < 0.5 for _, q in specs]
+    for t in trees:
+        t.fill_diagonal_(True)
+    _check(specs, 4, 2, 64, 8, seed=5, trees=trees)
+
+
+def _cache_in(dtype: torch.dtype, source: PagedKV) -> PagedKV:
+    """source's contents stored in a `dtype` cache (fp8 with its per-slot scales)."""
+    num_blocks, block_size, hkv, d = source.k.shape
+    kv = PagedKV.zeros(num_blocks, block_size, hkv, d, dtype)
+    slots = torch.arange(num_blocks * block_size)
+    store_kv_ref(source.k.view(-1, hkv, d), source.v.view(-1, hkv, d), kv, slots)
+    return kv
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, FP8], ids=["fp16", "bf16", "fp8"])
+@pytest.mark.parametrize("tree", [False, True])
+def test_cache_dtypes_match_reference(dtype, tree):
+    """The kernel dequantises exactly as the reference does, so only fp32 rounding differs."""
+    gen = torch.Generator().manual_seed(6)
+    specs = [(9, 6), (20, 1), (57, 12)]
+    trees = [tree_mask_from_parents(random_parents(q, gen)) for _, q in specs] if tree else None
+    meta, num_blocks = make_meta(specs, 16, gen, trees)
+    q, fp32 = random_inputs(meta, num_blocks, 16, 6, 2, 64, gen)
+    kv = _cache_in(dtype, fp32)
+    got = attention_cpu.paged_attention_cpu(q, kv, meta, 0.125)
+    torch.testing.assert_close(got, paged_attention_ref(q, kv, meta, 0.125), atol=ATOL, rtol=0)
+
+
+def test_rows_never_read_past_their_keys():
+    """Slots past a row's keys (never written, or stale) may hold NaN."""
+    gen = torch.Generator().manual_seed(8)
+    meta, num_blocks = make_meta([(5, 1), (17, 3)], 8, gen)
+    q, kv = random_inputs(meta, num_blocks, 8, 4, 2, 64, gen)
+    tables = meta.block_tables
+    for b, seq_len in enumerate(meta.seq_lens_cpu):
+        for pos in range(seq_len, tables.shape[1] * 8):
+            kv.k[int(tables[b, pos // 8]), pos % 8] = float("nan")
+            kv.v[int(tables[b, pos // 8]), pos % 8] = float("nan")
+    assert torch.isfinite(attention_cpu.paged_attention_cpu(q, kv, meta, 0.125)).all()
+
+
+def _decode_meta(tables: torch.Tensor,  # [B, max_blocks] int32
+                 seq_lens: list[int]) -> AttentionMetadata:
+    """One decode token per request, at the end of the given context lengths."""
+    block_size = 8
+    slots = [int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size for b, n in enumerate(seq_lens)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+        query_lens_cpu=[1] * len(seq_lens), seq_lens_cpu=seq_lens)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tree_rows_equal_decodes_bit_for_bit(threads):
+    """Every tree node's output equals, bit for bit, a plain decode of its accepted path
+    compacted into place (as the engine's KV move leaves it), run among other requests
+    and with any thread count: lossless greedy tree speculation rests on this."""
+    gen = torch.Generator().manual_seed(3)
+    prefix, q_len, block_size = 61, 9, 8
+    parents = random_parents(q_len, gen)
+    mask = tree_mask_from_parents(parents)
+    meta, num_blocks = make_meta([(prefix, q_len), (100, 1)], block_size, gen, [mask, torch.ones(1, 1, dtype=torch.bool)])
+    q, kv = random_inputs(meta, num_blocks, block_size, 6, 2, 64, gen)
+    tree_out = attention_cpu.paged_attention_cpu(q, kv, meta, 0.3)
+    table = meta.block_tables[0].long()
+    slot = lambda pos: int(table[pos // block_size]) * block_size + pos % block_size  # noqa: E731
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i in range(q_len):
+            path = [j for j in range(q_len) if mask[i, j]]
+            compacted = PagedKV(kv.k.clone(), kv.v.clone())
+            for dst, j in enumerate(path):  # the path's K/V moved right after the prefix
+                for cache, source in ((compacted.k, kv.k), (compacted.v, kv.v)):
+                    cache.view(-1, 2, 64)[slot(prefix + dst)] = source.view(-1, 2, 64)[slot(prefix + j)]
+            decode = _decode_meta(meta.block_tables, [prefix + len(path), 100])
+            out = attention_cpu.paged_attention_cpu(torch.stack([q[i], q[q_len]]), compacted, decode, 0.3)
+            assert torch.equal(out[0], tree_out[i]), f"node {i} (path {path})"
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_dispatch_follows_the_backend():
+    gen = torch.Generator().manual_seed(9)
+    meta, num_blocks = make_meta([(30, 1), (4, 5)], 16, gen)
+    q, kv = random_inputs(meta, num_blocks, 16, 4, 2, 64, gen)
+    cpp, ref = attention_cpu.paged_attention_cpu(q, kv, meta, 0.1), paged_attention_ref(q, kv, meta, 0.1)
+    assert not torch.equal(cpp, ref)  # so the checks below tell the paths apart
+    for backend, expected in (("auto", cpp), ("cpp", cpp), ("torch", ref)):
+        meta.backend = backend
+        assert torch.equal(attention.paged_attention(q, kv, meta, 0.1), expected), backend
+    meta.backend = "cpp"  # a head dim the kernel is not built for falls back to the reference
+    q, kv = random_inputs(meta, num_blocks, 16, 4, 2, 24, gen)
+    assert torch.equal(attention.paged_attention(q, kv, meta, 0.1), paged_attention_ref(q, kv, meta, 0.1))
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="attention_backend 'fast'"):
+        attention.check_backend("fast")
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-c++")
+    cpu_build.load.cache_clear()
+    try:
+        with pytest.raises(cpu_build.KernelBuildError, match="no-such-c\\+\\+"):
+            cpu_build.load("paged_attention")
+    finally:
+        cpu_build.load.cache_clear()
