@@ -139,20 +139,29 @@ def bench_concurrency(args: argparse.Namespace, runners: dict[str, Any]) -> list
     requests (prompts taken round-robin over the categories, so long and short prompts mix),
     served with at most `c` in flight (waves of c; every request has the same max_tokens
     and ignores EOS, so a wave ends together). Level 1 is the requests one after another,
-    the batch-1 baseline of the same work. Methods alternate per level."""
+    the batch-1 baseline of the same work. Methods alternate per level, and the whole
+    sweep repeats `--rounds` times; a row sums its rounds."""
     methods = [m for m in args.methods if isinstance(runners[m], LLM)]
     prompts = _workload(args, runners[methods[0]], max(args.concurrency))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    results = []
-    for concurrency in args.concurrency:
-        for method in methods:
-            outs, seconds = timed(lambda: _serve_in_waves(runners[method], prompts, params, concurrency))
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
-            results.append({"concurrency": concurrency, "method": method, "requests": len(outs), "tokens": tokens,
-                            "prompt_tokens": prompt_tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                            "total_tokens_per_s": (tokens + prompt_tokens) / seconds})
-            print(f"concurrency {concurrency} {method}: {tokens / seconds:.1f} tok/s", file=sys.stderr, flush=True)
+    totals: dict[tuple[int, str], dict[str, Any]] = {}
+    for _ in range(args.rounds):
+        for concurrency in args.concurrency:
+            for method in methods:
+                outs, seconds = timed(lambda: _serve_in_waves(runners[method], prompts, params, concurrency))
+                row = totals.setdefault((concurrency, method), {
+                    "concurrency": concurrency, "method": method, "requests": 0, "tokens": 0, "prompt_tokens": 0,
+                    "seconds": 0.0})
+                row["requests"] += len(outs)
+                row["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
+                row["prompt_tokens"] += sum(len(o.prompt_token_ids) for o in outs)
+                row["seconds"] += seconds
+                print(f"concurrency {concurrency} {method}: {row['tokens'] / row['seconds']:.1f} tok/s so far",
+                      file=sys.stderr, flush=True)
+    results = list(totals.values())
+    for r in results:
+        r["tokens_per_s"] = r["tokens"] / r["seconds"]
+        r["total_tokens_per_s"] = (r["tokens"] + r["prompt_tokens"]) / r["seconds"]
     speed = {(r["concurrency"], r["method"]): r["tokens_per_s"] for r in results}
     for r in results:
         plain = speed.get((r["concurrency"], "plain"))
@@ -186,6 +195,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--concurrency", default="", type=lambda s: [int(x) for x in s.split(",") if x])
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the concurrency sweep; rows sum the rounds")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None, help="also write every number here")
     args = parser.parse_args()

@@ -39,6 +39,7 @@ class _Rows:
     extra: torch.Tensor  # [E] further positions each row sees, in order
     group_start: torch.Tensor  # [num_groups + 1] CSR offsets into the rows
     group_requests: torch.Tensor  # [num_groups] the request (block table row) of each group
+    head_splits: int  # work items per group: its kv heads in this many shares
 
 
 def supports(query: torch.Tensor, kv: PagedKV) -> bool:
@@ -83,7 +84,8 @@ def _attend_rows(query: torch.Tensor, out: torch.Tensor, kv: PagedKV, meta: Atte
         _ptr(query), _ptr(out), _ptr(kv.k), _ptr(kv.v), _ptr(kv.k_scale), _ptr(kv.v_scale),
         _CACHE_DTYPES[kv.k.dtype], _ptr(tables), _ptr(rows.rows), _ptr(rows.prefixes), _ptr(rows.extra_start),
         _ptr(rows.extra), _ptr(rows.group_start), _ptr(rows.group_requests), rows.group_requests.numel(),
-        query.shape[1], num_kv_heads, head_dim, block_size, tables.shape[1], scale, torch.get_num_threads())
+        query.shape[1], num_kv_heads, head_dim, block_size, tables.shape[1], scale, torch.get_num_threads(),
+        rows.head_splits)
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -98,7 +100,7 @@ def _library() -> ctypes.CDLL:
     function = library.specdec_paged_attention_rows
     if function.argtypes is None:
         function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int32] + [ctypes.c_void_p] * 7 + \
-            [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int32]
+            [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int32, ctypes.c_int64]
         function.restype = None
         library.specdec_paged_attention_supports.argtypes = [ctypes.c_int64]
         library.specdec_paged_attention_supports.restype = ctypes.c_int32
@@ -121,8 +123,11 @@ def _short_rows(meta: AttentionMetadata, num_kv_heads: int) -> _Rows:
     group_start = [0]
     group_requests: list[int] = []
     short = [b for b, q_len in enumerate(meta.query_lens_cpu) if q_len <= SHORT_QUERY]
-    # (group, kv head) pairs are the kernel's work items: split groups until every thread has two.
-    parts = -(-2 * torch.get_num_threads() // max(1, len(short) * num_kv_heads))
+    # A work item is a group's kv heads. Aim for two items per thread: split the kv heads
+    # of each group first, then (verifies, trees) the rows of each request.
+    wanted = 2 * torch.get_num_threads()
+    head_splits = min(num_kv_heads, -(-wanted // max(1, len(short))))
+    parts = -(-wanted // max(1, len(short) * head_splits))
     for b in short:
         keys = _row_keys(meta, b)
         size = -(-len(keys) // min(parts, len(keys)))
@@ -136,7 +141,7 @@ def _short_rows(meta: AttentionMetadata, num_kv_heads: int) -> _Rows:
             group_requests.append(b)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     return _Rows(as_long(rows), as_long(prefixes), as_long(extra_start), as_long(extra), as_long(group_start),
-                 as_long(group_requests))
+                 as_long(group_requests), head_splits)
 
 
 def _row_keys(meta: AttentionMetadata, b: int) -> list[tuple[int, int, list[int]]]:

@@ -43,6 +43,21 @@ inline float sum_lanes(Lanes v) {
   return v[0];
 }
 
+// sum_lanes of four vectors at once, in lanes 0, 4, 8 and 12: the same additions in the
+// same order as sum_lanes (so a key's score never depends on its neighbours), with the
+// shuffles of the first two steps shared.
+inline Lanes sum_lanes4(Lanes a, Lanes b, Lanes c, Lanes d) {
+  const Lanes ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const Lanes cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  Lanes v = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v;
+}
+
 // exp(x) for x <= 0 (scores minus their max), Cephes' polynomial: about 1 ulp.
 inline Lanes exp_nonpositive(Lanes x) {
   const Lanes low = Lanes{} - 87.0f;
@@ -185,6 +200,7 @@ struct Group {
   std::vector<float*> out;          // [R]
   std::vector<int64_t> offset;      // [R + 1] start of each row's scores: [G, n_r]
   std::vector<float> scores, acc;   // softmax weights; [R, G, D] accumulators
+  std::vector<float> inverse;       // [R, G] 1 / sum of each row and head's weights
 };
 
 struct RowSpec {
@@ -228,11 +244,17 @@ template <int64_t kChunks>
 void score_keys(const float* q, const float* const* k, int64_t begin, int64_t end, float scale, float* scores) {
   Lanes query[kChunks];
   for (int64_t c = 0; c < kChunks; ++c) query[c] = load(q + c * kLanes);
-  for (int64_t j = begin; j < end; ++j) {
+  auto dot = [&](int64_t j) {
     Lanes acc = query[0] * load(k[j]);
     for (int64_t c = 1; c < kChunks; ++c) acc += query[c] * load(k[j] + c * kLanes);
-    scores[j] = sum_lanes(acc) * scale;
+    return acc;
+  };
+  int64_t j = begin;
+  for (; j + 4 <= end; j += 4) {
+    const Lanes sums = sum_lanes4(dot(j), dot(j + 1), dot(j + 2), dot(j + 3));
+    for (int64_t i = 0; i < 4; ++i) scores[j + i] = sums[4 * i] * scale;
   }
+  for (; j < end; ++j) scores[j] = sum_lanes(dot(j)) * scale;
 }
 
 // acc += sum_j weights[j] * v[j] for j in [begin, end), in key order, accumulators in registers.
@@ -245,52 +267,82 @@ void mix_keys(const float* weights, const float* const* v, int64_t begin, int64_
   for (int64_t c = 0; c < kChunks; ++c) store(acc + c * kLanes, sum[c]);
 }
 
-// softmax(scale * q . K) V for every row and head of a group. Each (row, head) sees the
-// same operations in the same key order as it would alone: tiles only interleave rows.
+inline float* weights(Group& grp, int64_t i, int64_t h, int64_t group) {
+  return grp.scores.data() + grp.offset[i] + h * (grp.offset[i + 1] - grp.offset[i]) / group;
+}
+
+// Scores of shared keys [t, t_end) for every row and head of the group.
 template <int64_t kChunks>
-void attend_group(Group& grp, int64_t group, float scale) {
-  const int64_t num_rows = static_cast<int64_t>(grp.own.size()), d = kChunks * kLanes, base = grp.base;
-  auto weights = [&](int64_t i, int64_t h) { return grp.scores.data() + grp.offset[i] + h * (grp.offset[i + 1] - grp.offset[i]) / group; };
-  for (int64_t t = 0; t < base; t += kTile)
-    for (int64_t i = 0; i < num_rows; ++i)
-      for (int64_t h = 0; h < group; ++h)
-        score_keys<kChunks>(grp.query[i] + h * d, grp.shared.k.data(), t, t + kTile < base ? t + kTile : base, scale,
-                            weights(i, h));
-  std::vector<float> inverse(num_rows * group);
-  for (int64_t i = 0; i < num_rows; ++i) {
-    const int64_t own = static_cast<int64_t>(grp.own[i].k.size()), n = base + own;
+void score_shared(Group& grp, int64_t t, int64_t t_end, int64_t group, float scale) {
+  for (size_t i = 0; i < grp.own.size(); ++i)
+    for (int64_t h = 0; h < group; ++h)
+      score_keys<kChunks>(grp.query[i] + h * kChunks * kLanes, grp.shared.k.data(), t, t_end, scale,
+                          weights(grp, i, h, group));
+}
+
+// Scores of each row's own keys, then softmax weights; grp.inverse gets 1 / their sums.
+template <int64_t kChunks>
+void softmax(Group& grp, int64_t group, float scale) {
+  grp.inverse.resize(grp.own.size() * group);
+  for (size_t i = 0; i < grp.own.size(); ++i) {
+    const int64_t own = static_cast<int64_t>(grp.own[i].k.size()), n = grp.base + own;
     for (int64_t h = 0; h < group; ++h) {
-      float* w = weights(i, h);
-      score_keys<kChunks>(grp.query[i] + h * d, grp.own[i].k.data(), 0, own, scale, w + base);
+      float* w = weights(grp, i, h, group);
+      score_keys<kChunks>(grp.query[i] + h * kChunks * kLanes, grp.own[i].k.data(), 0, own, scale, w + grp.base);
       float top = w[0];
       for (int64_t j = 1; j < n; ++j) top = w[j] > top ? w[j] : top;
-      inverse[i * group + h] = 1.0f / exponentiate(w, n, top);
+      grp.inverse[i * group + h] = 1.0f / exponentiate(w, n, top);
     }
   }
-  for (int64_t t = 0; t < base; t += kTile)
-    for (int64_t i = 0; i < num_rows; ++i)
-      for (int64_t h = 0; h < group; ++h)
-        mix_keys<kChunks>(weights(i, h), grp.shared.v.data(), t, t + kTile < base ? t + kTile : base,
-                          grp.acc.data() + (i * group + h) * d);
-  for (int64_t i = 0; i < num_rows; ++i)
+}
+
+// Weighted values of shared keys [t, t_end) into every row and head's accumulators.
+template <int64_t kChunks>
+void mix_shared(Group& grp, int64_t t, int64_t t_end, int64_t group) {
+  for (size_t i = 0; i < grp.own.size(); ++i)
+    for (int64_t h = 0; h < group; ++h)
+      mix_keys<kChunks>(weights(grp, i, h, group), grp.shared.v.data(), t, t_end,
+                        grp.acc.data() + (i * group + h) * kChunks * kLanes);
+}
+
+// Each row's own values, then the normalised outputs.
+template <int64_t kChunks>
+void finish(Group& grp, int64_t group) {
+  for (size_t i = 0; i < grp.own.size(); ++i)
     for (int64_t h = 0; h < group; ++h) {
-      float* acc = grp.acc.data() + (i * group + h) * d;
-      mix_keys<kChunks>(weights(i, h) + base, grp.own[i].v.data(), 0, static_cast<int64_t>(grp.own[i].v.size()), acc);
+      float* acc = grp.acc.data() + (i * group + h) * kChunks * kLanes;
+      mix_keys<kChunks>(weights(grp, i, h, group) + grp.base, grp.own[i].v.data(), 0,
+                        static_cast<int64_t>(grp.own[i].v.size()), acc);
       for (int64_t c = 0; c < kChunks; ++c)
-        store(grp.out[i] + h * d + c * kLanes, load(acc + c * kLanes) * inverse[i * group + h]);
+        store(grp.out[i] + h * kChunks * kLanes + c * kLanes, load(acc + c * kLanes) * grp.inverse[i * group + h]);
     }
 }
 
-using GroupFn = void (*)(Group&, int64_t, float);
+// softmax(scale * q . K) V for every row and head of some groups (the same rows, one kv
+// head each). Each (row, head) sees the same operations in the same key order as it
+// would alone; tiles only interleave rows and kv heads, so that a tile's K and V are read
+// from memory once and in address order (kv heads sit side by side in a slot).
+template <int64_t kChunks>
+void attend_groups(std::vector<Group>& grps, int64_t group, float scale) {
+  const int64_t base = grps[0].base;
+  for (int64_t t = 0; t < base; t += kTile)
+    for (Group& grp : grps) score_shared<kChunks>(grp, t, t + kTile < base ? t + kTile : base, group, scale);
+  for (Group& grp : grps) softmax<kChunks>(grp, group, scale);
+  for (int64_t t = 0; t < base; t += kTile)
+    for (Group& grp : grps) mix_shared<kChunks>(grp, t, t + kTile < base ? t + kTile : base, group);
+  for (Group& grp : grps) finish<kChunks>(grp, group);
+}
+
+using GroupFn = void (*)(std::vector<Group>&, int64_t, float);
 
 // Head dims the kernel is instantiated for (multiples of kLanes); others use the reference.
 GroupFn group_fn(int64_t head_dim) {
   switch (head_dim) {
-    case 32: return attend_group<2>;
-    case 64: return attend_group<4>;
-    case 80: return attend_group<5>;
-    case 96: return attend_group<6>;
-    case 128: return attend_group<8>;
+    case 32: return attend_groups<2>;
+    case 64: return attend_groups<4>;
+    case 80: return attend_groups<5>;
+    case 96: return attend_groups<6>;
+    case 128: return attend_groups<8>;
     default: return nullptr;
   }
 }
@@ -307,28 +359,33 @@ int32_t specdec_paged_attention_supports(int64_t head_dim) { return group_fn(hea
 // block_tables: [B, max_blocks] int32. Row r (of R) is query row rows[r]; it sees its
 // request's positions 0..prefixes[r]-1, then extra[extra_start[r]:extra_start[r + 1]].
 // Rows come in groups of one request each: group i is rows group_start[i]..group_start[i + 1]-1
-// of request group_requests[i].
+// of request group_requests[i]. A work item is a group's kv heads, or a share of them
+// (head_splits shares) when there are too few groups to keep the threads busy.
 void specdec_paged_attention_rows(const float* query, float* out, const void* k, const void* v,
                                   const float* k_scale, const float* v_scale, int32_t dtype,
                                   const int32_t* block_tables, const int64_t* rows, const int64_t* prefixes,
                                   const int64_t* extra_start, const int64_t* extra, const int64_t* group_start,
                                   const int64_t* group_requests, int64_t num_groups, int64_t num_heads,
                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                                  float scale, int32_t num_threads) {
+                                  float scale, int32_t num_threads, int64_t head_splits) {
   const Layout layout{num_heads, num_kv_heads, head_dim, block_size, scale};
   const Cache cache{k, v, k_scale, v_scale, dtype};
   const RowSpec spec{rows, prefixes, extra_start, extra};
   const GroupFn attend = group_fn(head_dim);
-  const int64_t items = num_groups * num_kv_heads;
+  const int64_t items = num_groups * head_splits, heads_per_item = (num_kv_heads + head_splits - 1) / head_splits;
 #pragma omp parallel num_threads(num_threads)
   {
-    Group grp;
+    std::vector<Group> grps;
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t i = item / num_kv_heads, g = item % num_kv_heads;
-      gather_group(spec, group_start[i], group_start[i + 1], block_tables + group_requests[i] * max_blocks, g, query,
-                   out, cache, layout, grp);
-      attend(grp, num_heads / num_kv_heads, scale);
+      const int64_t i = item / head_splits, first = item % head_splits * heads_per_item;
+      const int64_t last = first + heads_per_item < num_kv_heads ? first + heads_per_item : num_kv_heads;
+      if (first >= last) continue;
+      grps.resize(last - first);
+      for (int64_t g = first; g < last; ++g)
+        gather_group(spec, group_start[i], group_start[i + 1], block_tables + group_requests[i] * max_blocks, g,
+                     query, out, cache, layout, grps[g - first]);
+      attend(grps, num_heads / num_kv_heads, scale);
     }
   }
 }

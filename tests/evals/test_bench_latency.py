@@ -15,23 +15,38 @@ BENCH = Path(__file__).parents[2] / "evals" / "bench_latency.py"
 
 def test_bench_latency_reports_every_method(tiny_model_dir: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _load()
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_latency", "--model", str(tiny_model_dir), "--methods", "plain,ngram-adaptive,ngram@attention=torch",
+        "--categories", "qa", "--num-prompts", "1", "--max-tokens", "8", "--max-model-len", "1024",
+        "--concurrency", "1,3", "--rounds", "2", "--threads", "1", "--json", str(out)])
+    bench.main()
+    report = json.loads(out.read_text())
+    methods = ("plain", "ngram-adaptive", "ngram@attention=torch")
+    assert {r["method"] for r in report["batch1"]} == set(methods)
+    levels = {(r["concurrency"], r["method"]): r for r in report["concurrency"]}
+    assert set(levels) == {(c, m) for c in (1, 3) for m in methods}
+    for (c, method), row in levels.items():
+        assert row["requests"] == 6 and row["tokens"] == 8 * 6  # the same workload at every level, twice
+        assert row["vs_plain"] == pytest.approx(row["tokens_per_s"] / levels[(c, "plain")]["tokens_per_s"])
+
+
+def test_method_options() -> None:
+    bench = _load()
+    assert bench.parse_method("ngram@kv=fp16@attention=torch") == (
+        bench.PRESETS["ngram"], {"kv_cache_dtype": "fp16", "attention_backend": "torch"})
+    for bad in ("nope", "plain@speed=fast", "plain@kv"):
+        with pytest.raises(SystemExit):
+            bench.parse_method(bad)
+
+
+def _load() -> Any:
     spec = importlib.util.spec_from_file_location("bench_latency", BENCH)
     assert spec is not None and spec.loader is not None
     bench: Any = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    out = tmp_path / "bench.json"
-    monkeypatch.setattr(sys, "argv", [
-        "bench_latency", "--model", str(tiny_model_dir), "--methods", "plain,ngram,ngram-adaptive",
-        "--categories", "qa", "--num-prompts", "1", "--max-tokens", "8", "--max-model-len", "1024",
-        "--concurrency", "1,3", "--threads", "1", "--json", str(out)])
-    bench.main()
-    report = json.loads(out.read_text())
-    assert {r["method"] for r in report["batch1"]} == {"plain", "ngram", "ngram-adaptive"}
-    levels = {(r["concurrency"], r["method"]): r for r in report["concurrency"]}
-    assert set(levels) == {(c, m) for c in (1, 3) for m in ("plain", "ngram", "ngram-adaptive")}
-    for (c, method), row in levels.items():
-        assert row["requests"] == 3 and row["tokens"] == 8 * 3  # the same workload at every level
-        assert row["vs_plain"] == pytest.approx(row["tokens_per_s"] / levels[(c, "plain")]["tokens_per_s"])
+    return bench
 
 
 def test_subcategory_selects_input_grounded_code() -> None:

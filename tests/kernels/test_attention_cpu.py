@@ -79,6 +79,24 @@ def test_cache_dtypes_match_reference(dtype, tree):
     torch.testing.assert_close(got, paged_attention_ref(q, kv, meta, 0.125), atol=ATOL, rtol=0)
 
 
+def test_work_split_does_not_change_results():
+    """The planner splits kv heads and rows into work items by thread count; no split
+    may change a single bit."""
+    gen = torch.Generator().manual_seed(11)
+    meta, num_blocks = make_meta([(70, 9)], 16, gen)  # one verify: rows and heads get split
+    q, kv = random_inputs(meta, num_blocks, 16, 6, 3, 64, gen)
+    previous = torch.get_num_threads()
+    outputs = []
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            meta.plan_cache.clear()
+            outputs.append(attention_cpu.paged_attention_cpu(q, kv, meta, 0.125))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+
+
 def test_rows_never_read_past_their_keys():
     """Slots past a row's keys (never written, or stale) may hold NaN."""
     gen = torch.Generator().manual_seed(8)
