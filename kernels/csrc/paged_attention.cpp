@@ -201,7 +201,14 @@ struct Group {
   std::vector<int64_t> offset;      // [R + 1] start of each row's scores: [G, n_r]
   std::vector<float> scores, acc;   // softmax weights; [R, G, D] accumulators
   std::vector<float> inverse;       // [R, G] 1 / sum of each row and head's weights
+  std::vector<const float*> pair_weights;  // [R * G] each (row, head)'s softmax weights
+  std::vector<float*> pair_acc;            // [R * G] and its accumulator
+  std::vector<const float*> own_weights;   // [G] one row's weights of its own keys
 };
+
+inline float* weights(Group& grp, int64_t i, int64_t h, int64_t group) {
+  return grp.scores.data() + grp.offset[i] + h * (grp.offset[i + 1] - grp.offset[i]) / group;
+}
 
 struct RowSpec {
   const int64_t* rows;
@@ -237,6 +244,13 @@ void gather_group(const RowSpec& spec, int64_t first, int64_t last, const int32_
   }
   grp.scores.resize(grp.offset.back());
   grp.acc.assign(num_rows * group * d, 0.0f);
+  grp.pair_weights.resize(num_rows * group);
+  grp.pair_acc.resize(num_rows * group);
+  for (int64_t i = 0; i < num_rows; ++i)
+    for (int64_t h = 0; h < group; ++h) {
+      grp.pair_weights[i * group + h] = weights(grp, i, h, group);
+      grp.pair_acc[i * group + h] = grp.acc.data() + (i * group + h) * d;
+    }
 }
 
 // scores[j] = scale * q . k[j] for j in [begin, end), q (kChunks * kLanes floats) in registers.
@@ -257,18 +271,31 @@ void score_keys(const float* q, const float* const* k, int64_t begin, int64_t en
   for (; j < end; ++j) scores[j] = sum_lanes(dot(j)) * scale;
 }
 
-// acc += sum_j weights[j] * v[j] for j in [begin, end), in key order, accumulators in registers.
-template <int64_t kChunks>
-void mix_keys(const float* weights, const float* const* v, int64_t begin, int64_t end, float* acc) {
-  Lanes sum[kChunks];
-  for (int64_t c = 0; c < kChunks; ++c) sum[c] = load(acc + c * kLanes);
+// acc[p] += sum_j weights[p][j] * v[j] for j in [begin, end) and kHeads (row, head)
+// pairs at once, in key order, accumulators in registers: each value vector is loaded
+// once for all of them, and their kHeads * kChunks addition chains run side by side.
+template <int64_t kChunks, int64_t kHeads>
+void mix_keys(const float* const* weights, const float* const* v, int64_t begin, int64_t end, float* const* acc) {
+  Lanes sum[kHeads][kChunks];
+  for (int64_t p = 0; p < kHeads; ++p)
+    for (int64_t c = 0; c < kChunks; ++c) sum[p][c] = load(acc[p] + c * kLanes);
   for (int64_t j = begin; j < end; ++j)
-    for (int64_t c = 0; c < kChunks; ++c) sum[c] += weights[j] * load(v[j] + c * kLanes);
-  for (int64_t c = 0; c < kChunks; ++c) store(acc + c * kLanes, sum[c]);
+    for (int64_t c = 0; c < kChunks; ++c) {
+      const Lanes value = load(v[j] + c * kLanes);
+      for (int64_t p = 0; p < kHeads; ++p) sum[p][c] += weights[p][j] * value;
+    }
+  for (int64_t p = 0; p < kHeads; ++p)
+    for (int64_t c = 0; c < kChunks; ++c) store(acc[p] + c * kLanes, sum[p][c]);
 }
 
-inline float* weights(Group& grp, int64_t i, int64_t h, int64_t group) {
-  return grp.scores.data() + grp.offset[i] + h * (grp.offset[i + 1] - grp.offset[i]) / group;
+// mix_keys over `count` (row, head) pairs, as many at a time as 16 accumulators allow.
+template <int64_t kChunks>
+void mix_pairs(const float* const* weights, const float* const* v, int64_t begin, int64_t end, float* const* acc,
+               int64_t count) {
+  constexpr int64_t kMost = kChunks >= 8 ? 2 : (kChunks >= 5 ? 3 : 4);
+  int64_t p = 0;
+  for (; p + kMost <= count; p += kMost) mix_keys<kChunks, kMost>(weights + p, v, begin, end, acc + p);
+  for (; p < count; ++p) mix_keys<kChunks, 1>(weights + p, v, begin, end, acc + p);
 }
 
 // Scores of shared keys [t, t_end) for every row and head of the group.
@@ -298,24 +325,25 @@ void softmax(Group& grp, int64_t group, float scale) {
 
 // Weighted values of shared keys [t, t_end) into every row and head's accumulators.
 template <int64_t kChunks>
-void mix_shared(Group& grp, int64_t t, int64_t t_end, int64_t group) {
-  for (size_t i = 0; i < grp.own.size(); ++i)
-    for (int64_t h = 0; h < group; ++h)
-      mix_keys<kChunks>(weights(grp, i, h, group), grp.shared.v.data(), t, t_end,
-                        grp.acc.data() + (i * group + h) * kChunks * kLanes);
+void mix_shared(Group& grp, int64_t t, int64_t t_end) {
+  mix_pairs<kChunks>(grp.pair_weights.data(), grp.shared.v.data(), t, t_end, grp.pair_acc.data(),
+                     static_cast<int64_t>(grp.pair_acc.size()));
 }
 
-// Each row's own values, then the normalised outputs.
+// Each row's own values (its heads together), then the normalised outputs.
 template <int64_t kChunks>
 void finish(Group& grp, int64_t group) {
-  for (size_t i = 0; i < grp.own.size(); ++i)
+  for (size_t i = 0; i < grp.own.size(); ++i) {
+    grp.own_weights.resize(group);
+    for (int64_t h = 0; h < group; ++h) grp.own_weights[h] = weights(grp, i, h, group) + grp.base;
+    mix_pairs<kChunks>(grp.own_weights.data(), grp.own[i].v.data(), 0, static_cast<int64_t>(grp.own[i].v.size()),
+                       grp.pair_acc.data() + i * group, group);
     for (int64_t h = 0; h < group; ++h) {
-      float* acc = grp.acc.data() + (i * group + h) * kChunks * kLanes;
-      mix_keys<kChunks>(weights(grp, i, h, group) + grp.base, grp.own[i].v.data(), 0,
-                        static_cast<int64_t>(grp.own[i].v.size()), acc);
+      const float* acc = grp.pair_acc[i * group + h];
       for (int64_t c = 0; c < kChunks; ++c)
         store(grp.out[i] + h * kChunks * kLanes + c * kLanes, load(acc + c * kLanes) * grp.inverse[i * group + h]);
     }
+  }
 }
 
 // softmax(scale * q . K) V for every row and head of some groups (the same rows, one kv
@@ -329,7 +357,7 @@ void attend_groups(std::vector<Group>& grps, int64_t group, float scale) {
     for (Group& grp : grps) score_shared<kChunks>(grp, t, t + kTile < base ? t + kTile : base, group, scale);
   for (Group& grp : grps) softmax<kChunks>(grp, group, scale);
   for (int64_t t = 0; t < base; t += kTile)
-    for (Group& grp : grps) mix_shared<kChunks>(grp, t, t + kTile < base ? t + kTile : base, group);
+    for (Group& grp : grps) mix_shared<kChunks>(grp, t, t + kTile < base ? t + kTile : base);
   for (Group& grp : grps) finish<kChunks>(grp, group);
 }
 
