@@ -67,10 +67,11 @@ def paged_attention_cpu(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
+    query = query.contiguous()  # the kernel reads and writes [T, Hq, D] rows densely
     out = torch.empty_like(query)
     rows = _plan(meta, kv.k.shape[2])
     if rows.rows.numel():
-        _attend_rows(query.contiguous(), out, kv, meta, rows, scale)
+        _attend_rows(query, out, kv, meta, rows, scale)
     attend_long_ref(query, kv, meta, scale, out)
     return out
 
@@ -91,7 +92,8 @@ def _attend_rows(query: torch.Tensor, out: torch.Tensor, kv: PagedKV, meta: Atte
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     if tensor is None:
         return None
-    assert tensor.is_contiguous(), "the C++ kernel reads contiguous tensors"
+    if not tensor.is_contiguous():
+        raise ValueError(f"the C++ attention kernel needs contiguous tensors, got strides {tensor.stride()}")
     return tensor.data_ptr()
 
 

@@ -97,6 +97,18 @@ def test_work_split_does_not_change_results():
     assert all(torch.equal(out, outputs[0]) for out in outputs)
 
 
+def test_query_may_be_a_strided_view():
+    """The model's query is a slice of a fused projection."""
+    gen = torch.Generator().manual_seed(12)
+    meta, num_blocks = make_meta([(20, 1), (5, 4)], 16, gen)
+    q, kv = random_inputs(meta, num_blocks, 16, 4, 2, 64, gen)
+    fused = torch.cat([q, torch.randn_like(q)], dim=1)  # [T, 2 * Hq, D]
+    view = fused[:, : q.shape[1]]
+    assert not view.is_contiguous()
+    assert torch.equal(attention_cpu.paged_attention_cpu(view, kv, meta, 0.125),
+                       attention_cpu.paged_attention_cpu(q, kv, meta, 0.125))
+
+
 def test_rows_never_read_past_their_keys():
     """Slots past a row's keys (never written, or stale) may hold NaN."""
     gen = torch.Generator().manual_seed(8)
