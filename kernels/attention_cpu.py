@@ -1,14 +1,13 @@
-"""Paged attention on the CPU: short query rows through the C++ kernel, long prefill
-chunks through the torch reference.
+"""Paged attention on the CPU through the C++ kernel (csrc/paged_attention.cpp).
 
-Short rows (decodes, verify rows, tree nodes: requests with at most SHORT_QUERY query
-tokens this step) read K/V straight from the paged cache (csrc/paged_attention.cpp): no
-gathered copy, no padding to a bucket, no SDPA call per row. Each row is described by
-the request whose block table it reads, a prefix length (it sees the request's first
-`prefix` positions) and, for tree nodes off the first path, extra positions (its
-ancestors among the query tokens). The kernel is row-invariant, so speculation stays
-token-identical to plain decoding. Long prefill chunks are compute-bound and already
-efficient as one causal SDPA call each.
+Every query row, prefill or decode, verify row or tree node, reads its keys straight from
+the paged cache through its request's block table: no gathered copy, no padding, no SDPA
+call per row. A row is described by its request, a prefix length (it sees the request's
+first `prefix` positions) and, for tree nodes off the first path, extra positions (its
+ancestors among the query tokens). The rows of a request form groups whose common keys
+are read once for all of them, so a verify costs little more than a decode and a prefill
+chunk's causal attention reads each key once per group of rows. The kernel is
+row-invariant: speculation stays token-identical to plain decoding.
 """
 from __future__ import annotations
 
@@ -19,12 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from specdec.kernels import cpu_build
-from specdec.kernels.attention_ref import SHORT_QUERY, attend_long_ref
 from specdec.kernels.kv_cache import FP8, PagedKV
 from specdec.kernels.metadata import AttentionMetadata
 
 _CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, FP8: 3}
 _LIBRARY = "paged_attention"
+_GROUP_ROWS = 32  # rows per group at most: a prefill chunk is split for balance across threads
 
 
 @dataclass
@@ -70,9 +69,7 @@ def paged_attention_cpu(
     query = query.contiguous()  # the kernel reads and writes [T, Hq, D] rows densely
     out = torch.empty_like(query)
     rows = _plan(meta, kv.k.shape[2])
-    if rows.rows.numel():
-        _attend_rows(query, out, kv, meta, rows, scale)
-    attend_long_ref(query, kv, meta, scale, out)
+    _attend_rows(query, out, kv, meta, rows, scale)
     return out
 
 
@@ -112,27 +109,29 @@ def _library() -> ctypes.CDLL:
 def _plan(meta: AttentionMetadata, num_kv_heads: int) -> _Rows:
     key = f"cpu:{num_kv_heads}"
     if key not in meta.plan_cache:
-        meta.plan_cache[key] = _short_rows(meta, num_kv_heads)
+        meta.plan_cache[key] = _rows(meta, num_kv_heads)
     rows: _Rows = meta.plan_cache[key]
     return rows
 
 
-def _short_rows(meta: AttentionMetadata, num_kv_heads: int) -> _Rows:
+def _rows(meta: AttentionMetadata, num_kv_heads: int) -> _Rows:
     rows: list[int] = []
     prefixes: list[int] = []
     extra_start = [0]
     extra: list[int] = []
     group_start = [0]
     group_requests: list[int] = []
-    short = [b for b, q_len in enumerate(meta.query_lens_cpu) if q_len <= SHORT_QUERY]
+    requests = meta.num_requests
     # A work item is a group's kv heads. Aim for two items per thread: split the kv heads
-    # of each group first, then (verifies, trees) the rows of each request.
+    # of each group first, then the rows of each request.
     wanted = 2 * torch.get_num_threads()
-    head_splits = min(num_kv_heads, -(-wanted // max(1, len(short))))
-    parts = -(-wanted // max(1, len(short) * head_splits))
-    for b in short:
+    head_splits = min(num_kv_heads, -(-wanted // max(1, requests)))
+    parts = -(-wanted // max(1, requests * head_splits))
+    for b in range(requests):
         keys = _row_keys(meta, b)
-        size = -(-len(keys) // min(parts, len(keys)))
+        if not keys:
+            continue
+        size = min(-(-len(keys) // min(parts, len(keys))), _GROUP_ROWS)
         for first in range(0, len(keys), size):
             for row, prefix, seen in keys[first : first + size]:
                 rows.append(row)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from specdec.kernels.kv_cache import FP8, PagedKV, dequantize_fp8, quantize_fp8, slot_rows
 from specdec.kernels.metadata import AttentionMetadata
 
-SHORT_QUERY = 64  # queries up to this long are computed row by row
+_SHORT_QUERY = 64  # queries up to this long are computed row by row
 _BUCKET = 64  # a short row's keys are padded to a multiple of this
 
 
@@ -111,6 +111,7 @@ class _SharedRows:
 class _Plan:
     own: list[_OwnRows]
     shared: list[_SharedRows]
+    prefill: list[_Group]
 
 
 def paged_attention_ref(
@@ -129,26 +130,10 @@ def paged_attention_ref(
         for rows, length, mask in shared.groups:
             size = (rows.shape[0], *k[:length].shape)
             out[rows] = _attend_padded(query[rows], k[:length].expand(size), v[:length].expand(size), mask, scale)
-    attend_long_ref(query, kv, meta, scale, out)
-    return out
-
-
-def attend_long_ref(
-    query: torch.Tensor,  # [T, Hq, D]
-    kv: PagedKV,
-    meta: AttentionMetadata,
-    scale: float,
-    out: torch.Tensor,  # [T, Hq, D]: the rows of long queries are written
-) -> None:
-    """Attention of the requests with more than SHORT_QUERY query tokens (long prefill
-    chunks), each on its own under a causal mask."""
-    key = f"ref-long:{kv.block_size}"
-    if key not in meta.plan_cache:
-        long = [b for b, n in enumerate(meta.query_lens_cpu) if n > SHORT_QUERY]
-        meta.plan_cache[key] = [_group(meta, [b], kv.block_size, query.device) for b in long]
-    for group in meta.plan_cache[key]:
+    for group in plan.prefill:
         result = _attend(query, kv, group, scale)  # [G, Qmax, Hq, D]
         out[group.out_rows] = result.reshape(-1, *query.shape[1:])[group.valid]
+    return out
 
 
 def _gather(cache: torch.Tensor,  # [num_blocks, block_size, *inner]: data or scales
@@ -201,8 +186,10 @@ def _attend(query: torch.Tensor, kv: PagedKV, group: _Group,
 def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
     key = f"ref:{block_size}"
     if key not in meta.plan_cache:
-        short = [b for b, n in enumerate(meta.query_lens_cpu) if n <= SHORT_QUERY]
-        meta.plan_cache[key] = _Plan(*_short_rows(meta, short, block_size, device))
+        short = [b for b, n in enumerate(meta.query_lens_cpu) if n <= _SHORT_QUERY]
+        long = [b for b, n in enumerate(meta.query_lens_cpu) if n > _SHORT_QUERY]
+        own, shared = _short_rows(meta, short, block_size, device)
+        meta.plan_cache[key] = _Plan(own, shared, [_group(meta, [b], block_size, device) for b in long])
     plan: _Plan = meta.plan_cache[key]
     return plan
 

@@ -190,11 +190,12 @@ void append_range(const int32_t* table, int64_t begin, int64_t end, int64_t g, c
   }
 }
 
-// A group: query rows of one request that all see the request's first `base` positions
-// (shared keys, read once per tile for every row), each then its own further keys.
+// A group: query rows of one request, row i seeing the request's first prefix[i]
+// positions (a prefix of the shared keys, each tile read once for every row that sees
+// it), then its own further keys (a tree node's ancestors).
 struct Group {
-  int64_t base = 0;
-  Keys shared;
+  std::vector<int64_t> prefix;      // [R]
+  Keys shared;                      // positions [0, max prefix)
   std::vector<Keys> own;            // [R]
   std::vector<const float*> query;  // [R] the row's heads for this kv head: [G, D]
   std::vector<float*> out;          // [R]
@@ -221,10 +222,11 @@ struct RowSpec {
 void gather_group(const RowSpec& spec, int64_t first, int64_t last, const int32_t* table, int64_t g,
                   const float* query, float* out, const Cache& c, const Layout& l, Group& grp) {
   const int64_t num_rows = last - first, group = l.num_heads / l.num_kv_heads, d = l.head_dim;
-  grp.base = spec.prefixes[first];
-  for (int64_t r = first; r < last; ++r) grp.base = spec.prefixes[r] < grp.base ? spec.prefixes[r] : grp.base;
+  grp.prefix.assign(spec.prefixes + first, spec.prefixes + last);
+  int64_t longest = 0;
+  for (int64_t n : grp.prefix) longest = n > longest ? n : longest;
   grp.shared.heads.clear();
-  append_range(table, 0, grp.base, g, l, grp.shared.heads);
+  append_range(table, 0, longest, g, l, grp.shared.heads);
   grp.shared.resolve(c, d);
   grp.own.resize(num_rows);
   grp.query.resize(num_rows);
@@ -234,13 +236,12 @@ void gather_group(const RowSpec& spec, int64_t first, int64_t last, const int32_
     const int64_t r = first + i;
     Keys& own = grp.own[i];
     own.heads.clear();
-    append_range(table, grp.base, spec.prefixes[r], g, l, own.heads);
     for (int64_t e = spec.extra_start[r]; e < spec.extra_start[r + 1]; ++e)
       own.heads.push_back(head_of(table, spec.extra[e], g, l));
     own.resolve(c, d);
     grp.query[i] = query + (spec.rows[r] * l.num_heads + g * group) * d;
     grp.out[i] = out + (spec.rows[r] * l.num_heads + g * group) * d;
-    grp.offset.push_back(grp.offset.back() + group * (grp.base + static_cast<int64_t>(own.heads.size())));
+    grp.offset.push_back(grp.offset.back() + group * (grp.prefix[i] + static_cast<int64_t>(own.heads.size())));
   }
   grp.scores.resize(grp.offset.back());
   grp.acc.assign(num_rows * group * d, 0.0f);
@@ -295,16 +296,20 @@ void mix_pairs(const float* const* weights, const float* const* v, int64_t begin
   constexpr int64_t kMost = kChunks >= 8 ? 2 : (kChunks >= 5 ? 3 : 4);
   int64_t p = 0;
   for (; p + kMost <= count; p += kMost) mix_keys<kChunks, kMost>(weights + p, v, begin, end, acc + p);
-  for (; p < count; ++p) mix_keys<kChunks, 1>(weights + p, v, begin, end, acc + p);
+  if (count - p == 3) mix_keys<kChunks, 3>(weights + p, v, begin, end, acc + p);
+  if (count - p == 2) mix_keys<kChunks, 2>(weights + p, v, begin, end, acc + p);
+  if (count - p == 1) mix_keys<kChunks, 1>(weights + p, v, begin, end, acc + p);
 }
 
 // Scores of shared keys [t, t_end) for every row and head of the group.
 template <int64_t kChunks>
 void score_shared(Group& grp, int64_t t, int64_t t_end, int64_t group, float scale) {
-  for (size_t i = 0; i < grp.own.size(); ++i)
-    for (int64_t h = 0; h < group; ++h)
-      score_keys<kChunks>(grp.query[i] + h * kChunks * kLanes, grp.shared.k.data(), t, t_end, scale,
+  for (size_t i = 0; i < grp.own.size(); ++i) {
+    const int64_t end = t_end < grp.prefix[i] ? t_end : grp.prefix[i];
+    for (int64_t h = 0; t < end && h < group; ++h)
+      score_keys<kChunks>(grp.query[i] + h * kChunks * kLanes, grp.shared.k.data(), t, end, scale,
                           weights(grp, i, h, group));
+  }
 }
 
 // Scores of each row's own keys, then softmax weights; grp.inverse gets 1 / their sums.
@@ -312,10 +317,11 @@ template <int64_t kChunks>
 void softmax(Group& grp, int64_t group, float scale) {
   grp.inverse.resize(grp.own.size() * group);
   for (size_t i = 0; i < grp.own.size(); ++i) {
-    const int64_t own = static_cast<int64_t>(grp.own[i].k.size()), n = grp.base + own;
+    const int64_t own = static_cast<int64_t>(grp.own[i].k.size()), n = grp.prefix[i] + own;
     for (int64_t h = 0; h < group; ++h) {
       float* w = weights(grp, i, h, group);
-      score_keys<kChunks>(grp.query[i] + h * kChunks * kLanes, grp.own[i].k.data(), 0, own, scale, w + grp.base);
+      score_keys<kChunks>(grp.query[i] + h * kChunks * kLanes, grp.own[i].k.data(), 0, own, scale,
+                          w + grp.prefix[i]);
       float top = w[0];
       for (int64_t j = 1; j < n; ++j) top = w[j] > top ? w[j] : top;
       grp.inverse[i * group + h] = 1.0f / exponentiate(w, n, top);
@@ -325,9 +331,13 @@ void softmax(Group& grp, int64_t group, float scale) {
 
 // Weighted values of shared keys [t, t_end) into every row and head's accumulators.
 template <int64_t kChunks>
-void mix_shared(Group& grp, int64_t t, int64_t t_end) {
-  mix_pairs<kChunks>(grp.pair_weights.data(), grp.shared.v.data(), t, t_end, grp.pair_acc.data(),
-                     static_cast<int64_t>(grp.pair_acc.size()));
+void mix_shared(Group& grp, int64_t t, int64_t t_end, int64_t group) {
+  for (size_t i = 0; i < grp.own.size(); ++i) {
+    const int64_t end = t_end < grp.prefix[i] ? t_end : grp.prefix[i];
+    if (t < end)
+      mix_pairs<kChunks>(grp.pair_weights.data() + i * group, grp.shared.v.data(), t, end,
+                         grp.pair_acc.data() + i * group, group);
+  }
 }
 
 // Each row's own values (its heads together), then the normalised outputs.
@@ -335,7 +345,7 @@ template <int64_t kChunks>
 void finish(Group& grp, int64_t group) {
   for (size_t i = 0; i < grp.own.size(); ++i) {
     grp.own_weights.resize(group);
-    for (int64_t h = 0; h < group; ++h) grp.own_weights[h] = weights(grp, i, h, group) + grp.base;
+    for (int64_t h = 0; h < group; ++h) grp.own_weights[h] = weights(grp, i, h, group) + grp.prefix[i];
     mix_pairs<kChunks>(grp.own_weights.data(), grp.own[i].v.data(), 0, static_cast<int64_t>(grp.own[i].v.size()),
                        grp.pair_acc.data() + i * group, group);
     for (int64_t h = 0; h < group; ++h) {
@@ -352,12 +362,12 @@ void finish(Group& grp, int64_t group) {
 // from memory once and in address order (kv heads sit side by side in a slot).
 template <int64_t kChunks>
 void attend_groups(std::vector<Group>& grps, int64_t group, float scale) {
-  const int64_t base = grps[0].base;
-  for (int64_t t = 0; t < base; t += kTile)
-    for (Group& grp : grps) score_shared<kChunks>(grp, t, t + kTile < base ? t + kTile : base, group, scale);
+  const int64_t longest = static_cast<int64_t>(grps[0].shared.k.size());
+  for (int64_t t = 0; t < longest; t += kTile)
+    for (Group& grp : grps) score_shared<kChunks>(grp, t, t + kTile < longest ? t + kTile : longest, group, scale);
   for (Group& grp : grps) softmax<kChunks>(grp, group, scale);
-  for (int64_t t = 0; t < base; t += kTile)
-    for (Group& grp : grps) mix_shared<kChunks>(grp, t, t + kTile < base ? t + kTile : base);
+  for (int64_t t = 0; t < longest; t += kTile)
+    for (Group& grp : grps) mix_shared<kChunks>(grp, t, t + kTile < longest ? t + kTile : longest, group);
   for (Group& grp : grps) finish<kChunks>(grp, group);
 }
 

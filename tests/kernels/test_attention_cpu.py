@@ -15,8 +15,8 @@ ATOL = 2e-5
 
 # (head_dim, Hq, Hkv, block_size): GQA ratios 1 / 3 / 4, head dims 64 / 128, block sizes 8 / 16 / 32.
 SHAPES = [(d, 2 * ratio, 2, bs) for d in (64, 128) for ratio in (1, 3, 4) for bs in (8, 16, 32)]
-# Decodes, verify chains and a long prefill chunk (the reference's path) side by side,
-# contexts off block boundaries and past several blocks.
+# Decodes, verify chains and prefill chunks side by side, contexts off block boundaries
+# and past several blocks.
 BATCHES = [
     [(0, 1), (7, 1), (33, 1), (200, 1)],
     [(9, 6), (0, 1), (61, 9), (2, 18)],
@@ -37,6 +37,13 @@ def test_matches_reference(i):
     d, hq, hkv, block_size = SHAPES[i]
     for b, specs in enumerate(BATCHES):
         _check(specs, hq, hkv, d, block_size, seed=10 * i + b)
+
+
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (128, 4, 2)])
+def test_long_prefill_chunks_match_reference(d, hq, hkv):
+    """Prefill chunks go through the kernel too, split into groups of rows: a first
+    chunk, a chunk after a cached prefix, and one beside decodes."""
+    _check([(0, 300), (45, 130), (200, 1), (7, 1)], hq, hkv, d, 16, seed=d)
 
 
 @pytest.mark.parametrize("seed", range(4))
