@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,29 @@ def bench_concurrency(args: argparse.Namespace, runners: dict[str, Any]) -> list
     return results
 
 
+def bench_ttft(args: argparse.Namespace, runners: dict[str, Any]) -> list[dict[str, Any]]:
+    """Time to the first token (prefill plus one sampled token) of one prompt of each
+    length in --ttft-lens, methods alternating, --rounds times; min and median."""
+    methods = [m for m in args.methods if isinstance(runners[m], LLM)]
+    llm = runners[methods[0]]
+    text = " ".join(load_prompts("summarization", 64) + load_prompts("rag", 64))
+    ids = llm.get_tokenizer().encode(text)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    seconds: dict[tuple[int, str], list[float]] = {}
+    for _ in range(max(args.rounds, 3)):
+        for length in args.ttft_lens:
+            prompt = (ids * (1 + length // len(ids)))[:length]
+            for method in methods:
+                _, took = timed(lambda: runners[method].generate([prompt], params))
+                seconds.setdefault((length, method), []).append(took)
+    results = [{"prompt_tokens": length, "method": method, "min_ms": 1e3 * min(times),
+                "median_ms": 1e3 * statistics.median(times)} for (length, method), times in seconds.items()]
+    for r in results:
+        plain = seconds.get((r["prompt_tokens"], "plain"))
+        r["vs_plain"] = min(plain) * 1e3 / r["min_ms"] if plain else float("nan")
+    return results
+
+
 def _workload(args: argparse.Namespace, llm: LLM, n: int) -> list[list[int]]:
     """n chat prompts, round-robin over the categories."""
     by_category = [load_prompts(c, 64) for c in args.categories]
@@ -196,21 +220,31 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--concurrency", default="", type=lambda s: [int(x) for x in s.split(",") if x])
     parser.add_argument("--rounds", type=int, default=1, help="repeat the concurrency sweep; rows sum the rounds")
+    parser.add_argument("--ttft-lens", default="", type=lambda s: [int(x) for x in s.split(",") if x],
+                        help="also time the first token of one prompt of each of these lengths")
+    parser.add_argument("--skip-batch1", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None, help="also write every number here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runners = build_runners(args)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
-    report["batch1"] = bench_batch1(args, runners)
-    print(markdown_table(["category", "method", "tok/s", "vs plain", "vs HF", "τ", "accept"],
-                         [[r["category"], r["method"], r["tokens_per_s"], r["speedup_vs_plain"], r["speedup_vs_hf"],
-                           r["tau"] if r["tau"] is not None else "-",
-                           r["acceptance_rate"] if r["acceptance_rate"] is not None else "-"]
-                          for r in report["batch1"]]))
-    print()
-    print(markdown_table(["method", "input-grounded tok/s", "vs plain", "other tok/s", "vs plain"],
-                         _summary(report["batch1"], args.methods)))
+    if not args.skip_batch1:
+        report["batch1"] = bench_batch1(args, runners)
+        print(markdown_table(["category", "method", "tok/s", "vs plain", "vs HF", "τ", "accept"],
+                             [[r["category"], r["method"], r["tokens_per_s"], r["speedup_vs_plain"],
+                               r["speedup_vs_hf"], r["tau"] if r["tau"] is not None else "-",
+                               r["acceptance_rate"] if r["acceptance_rate"] is not None else "-"]
+                              for r in report["batch1"]]))
+        print()
+        print(markdown_table(["method", "input-grounded tok/s", "vs plain", "other tok/s", "vs plain"],
+                             _summary(report["batch1"], args.methods)))
+    if args.ttft_lens:
+        report["ttft"] = bench_ttft(args, runners)
+        print()
+        print(markdown_table(["prompt tokens", "method", "TTFT min ms", "TTFT median ms", "plain / this (min)"],
+                             [[r["prompt_tokens"], r["method"], r["min_ms"], r["median_ms"], r["vs_plain"]]
+                              for r in report["ttft"]]))
     if args.concurrency:
         report["concurrency"] = bench_concurrency(args, runners)
         print()

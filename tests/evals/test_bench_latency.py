@@ -20,7 +20,7 @@ def test_bench_latency_reports_every_method(tiny_model_dir: Path, tmp_path: Path
     monkeypatch.setattr(sys, "argv", [
         "bench_latency", "--model", str(tiny_model_dir), "--methods", "plain,ngram-adaptive,ngram@attention=torch",
         "--categories", "qa", "--num-prompts", "1", "--max-tokens", "8", "--max-model-len", "1024",
-        "--concurrency", "1,3", "--rounds", "2", "--threads", "1", "--json", str(out)])
+        "--concurrency", "1,3", "--rounds", "2", "--ttft-lens", "20,50", "--threads", "1", "--json", str(out)])
     bench.main()
     report = json.loads(out.read_text())
     methods = ("plain", "ngram-adaptive", "ngram@attention=torch")
@@ -30,6 +30,9 @@ def test_bench_latency_reports_every_method(tiny_model_dir: Path, tmp_path: Path
     for (c, method), row in levels.items():
         assert row["requests"] == 6 and row["tokens"] == 8 * 6  # the same workload at every level, twice
         assert row["vs_plain"] == pytest.approx(row["tokens_per_s"] / levels[(c, "plain")]["tokens_per_s"])
+    ttft = {(r["prompt_tokens"], r["method"]): r for r in report["ttft"]}
+    assert set(ttft) == {(n, m) for n in (20, 50) for m in methods}
+    assert all(0 < r["min_ms"] <= r["median_ms"] for r in ttft.values())
 
 
 def test_method_options() -> None:
