@@ -1,5 +1,5 @@
-"""Dispatch: Triton kernels on CUDA tensors; on the CPU, the C++ kernel for short rows
-(attention_cpu.py) where it builds, else the torch reference.
+"""Dispatch: Triton kernels on CUDA tensors; on the CPU, the C++ kernel (attention_cpu.py)
+where it builds, else the torch reference.
 
 The engine's attention_backend, carried by AttentionMetadata.backend, picks the CPU path:
 "auto" (the C++ kernel if it builds here, with one warning if not), "cpp" (the C++

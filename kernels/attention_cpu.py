@@ -28,7 +28,7 @@ _GROUP_ROWS = 32  # rows per group at most: a prefill chunk is split for balance
 
 @dataclass
 class _Rows:
-    """The short rows of a step, as the kernel reads them: [R] each unless noted. Rows
+    """The query rows of a step, as the kernel reads them: [R] each unless noted. Rows
     come in groups, each of one request: the kernel reads the keys every row of a group
     sees once for all of them (a verify's rows, a tree's nodes)."""
 

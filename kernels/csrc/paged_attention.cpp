@@ -1,15 +1,17 @@
-// Paged attention for short query rows (decodes, verify rows, tree nodes) on the CPU.
+// Paged attention for every query row (prefill chunks, decodes, verify rows, tree nodes)
+// on the CPU.
 //
 // Each query row reads its keys straight from the paged cache through its request's
 // block table: no gathered copy of K/V, no padding. A row's keys are the first
 // `prefix` positions of its request's context followed by `extra` positions (a tree
-// node's ancestors among the query tokens). One (row, kv head) is one work item, done
-// start to finish by one thread with a fixed order of operations, so a row's result
-// depends only on its query and its key sequence: a verify row reproduces the decode of
-// the same context bit for bit, whatever else is in the batch and however many threads
-// run. Built by specdec/kernels/cpu_build.py (g++ -O3 -march=native -fopenmp) and
-// called through ctypes from attention_cpu.py; attention_ref.py is the reference it is
-// tested against.
+// node's ancestors among the query tokens). Rows of one request form groups that read
+// each tile of their common keys once. Every (row, head) is computed start to finish by
+// one thread with a fixed order of operations, so a row's result depends only on its
+// query and its key sequence: a verify row reproduces the decode of the same context bit
+// for bit, whatever else is in the batch, however the rows are grouped and however many
+// threads run. Built by specdec/kernels/cpu_build.py (g++ -O3 -march=native -fopenmp)
+// and called through ctypes from attention_cpu.py; attention_ref.py is the reference it
+// is tested against.
 #include <cstdint>
 #include <cstring>
 #include <vector>
