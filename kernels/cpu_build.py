@@ -38,7 +38,10 @@ def load(name: str) -> ctypes.CDLL:
     compiler = os.environ.get("CXX", "g++")
     library = specdec_home() / "kernels" / f"{name}-{_digest(source, compiler)}.so"
     if not library.exists():
-        _compile(source, compiler, library)
+        try:
+            _compile(source, compiler, library)
+        except OSError as error:  # an unwritable cache, a compiler that cannot start
+            raise KernelBuildError(f"cannot build {library}: {error}") from error
     try:
         return ctypes.CDLL(str(library))
     except OSError as error:

@@ -198,3 +198,35 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
             cpu_build.load("paged_attention")
     finally:
         cpu_build.load.cache_clear()
+
+
+def test_unwritable_cache_is_a_clear_error(monkeypatch, tmp_path):
+    home = tmp_path / "not-a-directory"
+    home.write_text("")
+    monkeypatch.setenv("SPECDEC_HOME", str(home))
+    cpu_build.load.cache_clear()
+    try:
+        with pytest.raises(cpu_build.KernelBuildError, match="cannot build"):
+            cpu_build.load("paged_attention")
+    finally:
+        cpu_build.load.cache_clear()
+
+
+def test_auto_falls_back_to_the_reference_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-c++")
+    cpu_build.load.cache_clear()
+    attention.cpp_available.cache_clear()
+    try:
+        gen = torch.Generator().manual_seed(13)
+        meta, num_blocks = make_meta([(9, 1), (3, 4)], 16, gen)
+        q, kv = random_inputs(meta, num_blocks, 16, 4, 2, 64, gen)
+        with caplog.at_level("WARNING"):
+            out = attention.paged_attention(q, kv, meta, 0.1)  # meta.backend is "auto"
+        assert torch.equal(out, paged_attention_ref(q, kv, meta, 0.1))
+        assert "C++ attention kernel unavailable" in caplog.text and "no-such-c++" in caplog.text
+        with pytest.raises(cpu_build.KernelBuildError):
+            attention.check_backend("cpp")
+    finally:
+        cpu_build.load.cache_clear()
+        attention.cpp_available.cache_clear()
