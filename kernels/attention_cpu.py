@@ -38,6 +38,7 @@ class _Rows:
     extra: torch.Tensor  # [E] further positions each row sees, in order
     group_start: torch.Tensor  # [num_groups + 1] CSR offsets into the rows
     group_requests: torch.Tensor  # [num_groups] the request (block table row) of each group
+    tables: torch.Tensor  # [B, max_blocks] int32 contiguous block tables
     head_splits: int  # work items per group: its kv heads in this many shares
 
 
@@ -69,14 +70,12 @@ def paged_attention_cpu(
     query = query.contiguous()  # the kernel reads and writes [T, Hq, D] rows densely
     out = torch.empty_like(query)
     rows = _plan(meta, kv.k.shape[2])
-    _attend_rows(query, out, kv, meta, rows, scale)
+    _attend_rows(query, out, kv, rows, scale)
     return out
 
 
-def _attend_rows(query: torch.Tensor, out: torch.Tensor, kv: PagedKV, meta: AttentionMetadata, rows: _Rows,
-                 scale: float) -> None:
-    tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.int()
-    tables = tables.contiguous()
+def _attend_rows(query: torch.Tensor, out: torch.Tensor, kv: PagedKV, rows: _Rows, scale: float) -> None:
+    tables = rows.tables
     _, block_size, num_kv_heads, head_dim = kv.k.shape
     _library().specdec_paged_attention_rows(
         _ptr(query), _ptr(out), _ptr(kv.k), _ptr(kv.v), _ptr(kv.k_scale), _ptr(kv.v_scale),
@@ -128,7 +127,7 @@ def _rows(meta: AttentionMetadata, num_kv_heads: int) -> _Rows:
     head_splits = min(num_kv_heads, -(-wanted // max(1, requests)))
     parts = -(-wanted // max(1, requests * head_splits))
     for b in range(requests):
-        keys = _row_keys(meta, b)
+        keys = meta.visible_keys(b)
         if not keys:
             continue
         size = min(-(-len(keys) // min(parts, len(keys))), _GROUP_ROWS)
@@ -142,21 +141,5 @@ def _rows(meta: AttentionMetadata, num_kv_heads: int) -> _Rows:
             group_requests.append(b)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     return _Rows(as_long(rows), as_long(prefixes), as_long(extra_start), as_long(extra), as_long(group_start),
-                 as_long(group_requests), head_splits)
+                 as_long(group_requests), meta.block_tables.to(torch.int32).contiguous(), head_splits)
 
-
-def _row_keys(meta: AttentionMetadata, b: int) -> list[tuple[int, int, list[int]]]:
-    """(query row, prefix, extra positions) of each query token of request b."""
-    q_len, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
-    context, start = seq_len - q_len, int(meta.query_start_loc[b])
-    if meta.tree_mask is None:
-        return [(start + i, context + i + 1, []) for i in range(q_len)]
-    sees = meta.tree_mask[start : start + q_len, :q_len].tolist()  # [q_len][q_len] bool
-    keys: list[tuple[int, int, list[int]]] = []
-    for i, row in enumerate(sees):
-        count = sum(row)
-        if all(row[:count]):  # a run from the first query token: a plain prefix
-            keys.append((start + i, context + count, []))
-        else:
-            keys.append((start + i, context, [context + j for j, seen in enumerate(row) if seen]))
-    return keys

@@ -282,22 +282,8 @@ def _visible_keys(meta: AttentionMetadata, b: int,
                   device: torch.device) -> list[tuple[int, int | torch.Tensor]]:
     """(query row, visible keys) per query token of request b: an int L for the first L
     keys of the request, else a tensor [L] of key positions."""
-    q_len, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
-    prefix, start = seq_len - q_len, int(meta.query_start_loc[b])
-    if meta.tree_mask is None:
-        return [(start + i, prefix + i + 1) for i in range(q_len)]
-    sees = meta.tree_mask[start : start + q_len, :q_len]  # [q_len, q_len]
-    return [(start + i, _tree_keys(sees[i], prefix, device)) for i in range(q_len)]
-
-
-def _tree_keys(sees: torch.Tensor,  # [q_len] bool: the query tokens this row sees
-               prefix: int, device: torch.device) -> int | torch.Tensor:
-    """A length when the row sees a run of query tokens from the first, else key positions."""
-    count = int(sees.sum())
-    if bool(sees[:count].all()):
-        return prefix + count
-    among = torch.nonzero(sees).flatten() + prefix
-    return torch.cat([torch.arange(prefix, device=device), among])
+    return [(row, prefix if not extra else torch.tensor(list(range(prefix)) + extra, device=device))
+            for row, prefix, extra in meta.visible_keys(b)]
 
 
 def _group(meta: AttentionMetadata, group: list[int], block_size: int, device: torch.device) -> _Group:

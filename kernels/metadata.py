@@ -42,3 +42,21 @@ class AttentionMetadata:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
+
+    def visible_keys(self, b: int) -> list[tuple[int, int, list[int]]]:
+        """(query row, prefix, extra positions) per query token of request b: the row sees
+        the request's first `prefix` positions, then the extra ones (a tree node off its
+        tree's first path: its ancestors among the query tokens, after the cached context)."""
+        q_len, seq_len = self.query_lens_cpu[b], self.seq_lens_cpu[b]
+        context, start = seq_len - q_len, int(self.query_start_loc[b])
+        if self.tree_mask is None:
+            return [(start + i, context + i + 1, []) for i in range(q_len)]
+        sees = self.tree_mask[start : start + q_len, :q_len].tolist()  # [q_len][q_len] bool
+        keys: list[tuple[int, int, list[int]]] = []
+        for i, row in enumerate(sees):
+            count = sum(row)
+            if all(row[:count]):  # a run from the first query token: a plain prefix
+                keys.append((start + i, context + count, []))
+            else:
+                keys.append((start + i, context, [context + j for j, seen in enumerate(row) if seen]))
+        return keys

@@ -131,8 +131,17 @@ def _sees(meta: AttentionMetadata, start: int, i: int, j: int) -> bool:
     return bool(meta.tree_mask[start + i, j])
 
 
-def _random_trees(specs: list[tuple[int, int]], gen: torch.Generator) -> list[torch.Tensor]:
+def random_trees(specs: list[tuple[int, int]], gen: torch.Generator) -> list[torch.Tensor]:
     return [tree_mask_from_parents(random_parents(q, gen)) for _, q in specs]
+
+
+def random_masks(specs: list[tuple[int, int]], gen: torch.Generator) -> list[torch.Tensor]:
+    """Per request a [q_len, q_len] mask that is no tree: each token sees itself and a
+    random half of the others."""
+    masks = [torch.rand(q, q, generator=gen) < 0.5 for _, q in specs]
+    for mask in masks:
+        mask.fill_diagonal_(True)
+    return masks
 
 
 # ----------------------------------------------------------------------------- reference
@@ -151,7 +160,7 @@ REF_BATCHES = [
 def test_reference_matches_dense(specs, tree, hq, hkv):
     gen = torch.Generator().manual_seed(0)
     block_size = 8
-    trees = _random_trees(specs, gen) if tree else None
+    trees = random_trees(specs, gen) if tree else None
     meta, num_blocks = make_meta(specs, block_size, gen, trees)
     q, kv = random_inputs(meta, num_blocks, block_size, hq, hkv, 16, gen)
     ref = paged_attention_ref(q, kv, meta, 0.25)
@@ -189,9 +198,7 @@ def test_reference_arbitrary_mask_matches_dense():
     """The mask is taken literally, even when it is not a tree in topological order."""
     gen = torch.Generator().manual_seed(1)
     specs = [(4, 6), (9, 3)]
-    trees = [torch.rand(q, q, generator=gen) < 0.5 for _, q in specs]
-    for t in trees:
-        t.fill_diagonal_(True)
+    trees = random_masks(specs, gen)
     meta, num_blocks = make_meta(specs, 8, gen, trees)
     q, kv = random_inputs(meta, num_blocks, 8, 2, 1, 16, gen)
     ref = paged_attention_ref(q, kv, meta, 0.3)
@@ -246,19 +253,17 @@ def test_triton_causal(i):
 
 
 @pytest.mark.parametrize("i", range(len(TRITON_SHAPES)), ids=SHAPE_IDS)
-def test_triton_random_trees(i):
+def test_tritonrandom_trees(i):
     d, hq, hkv, block_size = TRITON_SHAPES[i]
     gen = torch.Generator().manual_seed(100 + i)  # a different forest for every shape
     specs = [(13, 7), (0, 1), (21, 5), (6, 9), (45, 17)]
-    _check_triton(specs, hq, hkv, d, block_size, seed=i, trees=_random_trees(specs, gen))
+    _check_triton(specs, hq, hkv, d, block_size, seed=i, trees=random_trees(specs, gen))
 
 
 def test_triton_arbitrary_mask():
     gen = torch.Generator().manual_seed(4)
     specs = [(3, 6), (10, 4)]
-    trees = [torch.rand(q, q, generator=gen) < 0.5 for _, q in specs]
-    for t in trees:
-        t.fill_diagonal_(True)
+    trees = random_masks(specs, gen)
     _check_triton(specs, 4, 2, 64, 8, seed=5, trees=trees)
 
 

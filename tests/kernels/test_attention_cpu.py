@@ -9,7 +9,8 @@ from specdec.kernels import attention, attention_cpu, cpu_build
 from specdec.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from specdec.kernels.kv_cache import FP8, PagedKV
 from specdec.kernels.metadata import AttentionMetadata
-from tests.kernels.test_attention import make_meta, random_inputs, random_parents, tree_mask_from_parents
+from tests.kernels.test_attention import (make_meta, random_inputs, random_masks, random_parents, random_trees,
+                                          tree_mask_from_parents)
 
 ATOL = 2e-5
 
@@ -50,16 +51,14 @@ def test_long_prefill_chunks_match_reference(d, hq, hkv):
 def test_random_trees_match_reference(seed):
     gen = torch.Generator().manual_seed(100 + seed)
     specs = [(13, 7), (0, 1), (21, 5), (6, 9), (45, 33)]
-    trees = [tree_mask_from_parents(random_parents(q, gen)) for _, q in specs]
+    trees = random_trees(specs, gen)
     _check(specs, 6, 2, 64, 16, seed, trees)
 
 
 def test_arbitrary_mask_matches_reference():
     gen = torch.Generator().manual_seed(4)
     specs = [(3, 6), (10, 4)]
-    trees = [torch.rand(q, q, generator=gen) < 0.5 for _, q in specs]
-    for t in trees:
-        t.fill_diagonal_(True)
+    trees = random_masks(specs, gen)
     _check(specs, 4, 2, 64, 8, seed=5, trees=trees)
 
 
@@ -78,7 +77,7 @@ def test_cache_dtypes_match_reference(dtype, tree):
     """The kernel dequantises exactly as the reference does, so only fp32 rounding differs."""
     gen = torch.Generator().manual_seed(6)
     specs = [(9, 6), (20, 1), (57, 12)]
-    trees = [tree_mask_from_parents(random_parents(q, gen)) for _, q in specs] if tree else None
+    trees = random_trees(specs, gen) if tree else None
     meta, num_blocks = make_meta(specs, 16, gen, trees)
     q, fp32 = random_inputs(meta, num_blocks, 16, 6, 2, 64, gen)
     kv = _cache_in(dtype, fp32)
@@ -189,44 +188,41 @@ def test_unknown_backend_is_refused():
         attention.check_backend("fast")
 
 
-def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+@pytest.fixture
+def fresh_build():
+    """The build and availability caches empty for this test, and again after it."""
+    def clear() -> None:
+        cpu_build.load.cache_clear()
+        attention.cpp_available.cache_clear()
+    clear()
+    yield
+    clear()
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path, fresh_build):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-c++")
-    cpu_build.load.cache_clear()
-    try:
-        with pytest.raises(cpu_build.KernelBuildError, match="no-such-c\\+\\+"):
-            cpu_build.load("paged_attention")
-    finally:
-        cpu_build.load.cache_clear()
+    with pytest.raises(cpu_build.KernelBuildError, match="no-such-c\\+\\+"):
+        cpu_build.load("paged_attention")
 
 
-def test_unwritable_cache_is_a_clear_error(monkeypatch, tmp_path):
+def test_unwritable_cache_is_a_clear_error(monkeypatch, tmp_path, fresh_build):
     home = tmp_path / "not-a-directory"
     home.write_text("")
     monkeypatch.setenv("SPECDEC_HOME", str(home))
-    cpu_build.load.cache_clear()
-    try:
-        with pytest.raises(cpu_build.KernelBuildError, match="cannot build"):
-            cpu_build.load("paged_attention")
-    finally:
-        cpu_build.load.cache_clear()
+    with pytest.raises(cpu_build.KernelBuildError, match="cannot build"):
+        cpu_build.load("paged_attention")
 
 
-def test_auto_falls_back_to_the_reference_with_a_warning(monkeypatch, tmp_path, caplog):
+def test_auto_falls_back_to_the_reference_with_a_warning(monkeypatch, tmp_path, caplog, fresh_build):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-c++")
-    cpu_build.load.cache_clear()
-    attention.cpp_available.cache_clear()
-    try:
-        gen = torch.Generator().manual_seed(13)
-        meta, num_blocks = make_meta([(9, 1), (3, 4)], 16, gen)
-        q, kv = random_inputs(meta, num_blocks, 16, 4, 2, 64, gen)
-        with caplog.at_level("WARNING"):
-            out = attention.paged_attention(q, kv, meta, 0.1)  # meta.backend is "auto"
-        assert torch.equal(out, paged_attention_ref(q, kv, meta, 0.1))
-        assert "C++ attention kernel unavailable" in caplog.text and "no-such-c++" in caplog.text
-        with pytest.raises(cpu_build.KernelBuildError):
-            attention.check_backend("cpp")
-    finally:
-        cpu_build.load.cache_clear()
-        attention.cpp_available.cache_clear()
+    gen = torch.Generator().manual_seed(13)
+    meta, num_blocks = make_meta([(9, 1), (3, 4)], 16, gen)
+    q, kv = random_inputs(meta, num_blocks, 16, 4, 2, 64, gen)
+    with caplog.at_level("WARNING"):
+        out = attention.paged_attention(q, kv, meta, 0.1)  # meta.backend is "auto"
+    assert torch.equal(out, paged_attention_ref(q, kv, meta, 0.1))
+    assert "C++ attention kernel unavailable" in caplog.text and "no-such-c++" in caplog.text
+    with pytest.raises(cpu_build.KernelBuildError):
+        attention.check_backend("cpp")

@@ -11,7 +11,7 @@ from specdec.kernels import attention_triton  # noqa: E402
 from specdec.kernels.attention_ref import gather_kv_ref, paged_attention_ref, store_kv_ref  # noqa: E402
 from specdec.kernels.kv_cache import FP8, FP8_MAX, PagedKV, dequantize_fp8  # noqa: E402
 from specdec.kernels.kv_ops import move_kv  # noqa: E402
-from tests.kernels.test_attention import _random_trees, make_meta  # noqa: E402
+from tests.kernels.test_attention import random_trees, make_meta  # noqa: E402
 
 LOW = [torch.float16, torch.bfloat16, FP8]
 ALL = [torch.float32, *LOW]
@@ -96,7 +96,7 @@ def test_bytes_per_slot() -> None:
 def test_paged_attention_close_to_fp32_cache(dtype: torch.dtype, tree: bool) -> None:
     gen = torch.Generator().manual_seed(2)
     specs = [(7, 1), (0, 9), (13, 4), (3, 70)]  # decodes, short queries and one long prefill
-    meta, num_blocks = make_meta(specs, 8, gen, _random_trees(specs, gen) if tree else None)
+    meta, num_blocks = make_meta(specs, 8, gen, random_trees(specs, gen) if tree else None)
     low, k, v = _filled(dtype, num_blocks, 8, 2, 32, gen)
     full = PagedKV.zeros(num_blocks, 8, 2, 32, torch.float32)
     store_kv_ref(k, v, full, torch.arange(len(k)))
@@ -142,7 +142,7 @@ def test_store_kv_triton_matches_reference(dtype: torch.dtype, values: str) -> N
 def test_triton_attention_matches_reference(dtype: torch.dtype, tree: bool) -> None:
     gen = torch.Generator().manual_seed(4)
     specs = [(9, 6), (0, 1), (33, 3)]
-    meta, num_blocks = make_meta(specs, 16, gen, _random_trees(specs, gen) if tree else None)
+    meta, num_blocks = make_meta(specs, 16, gen, random_trees(specs, gen) if tree else None)
     kv, _, _ = _filled(dtype, num_blocks, 16, 2, 64, gen)
     q = torch.randn(int(meta.query_start_loc[-1]), 4, 64, generator=gen)
     got = attention_triton.paged_attention_triton(q, kv, meta, 0.125)
