@@ -9,17 +9,13 @@ reference whatever the backend.
 """
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 
-from specdec.kernels import attention_cpu
+from specdec.kernels import attention_cpu, cpu_build
 from specdec.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
 
-logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "cpp", "torch")
 
 
@@ -35,15 +31,9 @@ def check_backend(backend: str) -> None:
         attention_cpu.load()
 
 
-@functools.cache
 def cpp_available() -> bool:
     """Whether the C++ kernel builds and loads here (tried once per process)."""
-    try:
-        attention_cpu.load()
-    except attention_cpu.KernelBuildError as error:
-        logger.warning("C++ attention kernel unavailable, using the torch reference (slower): %s", error)
-        return False
-    return True
+    return cpu_build.builds("paged_attention", "the torch reference attention (slower)")
 
 
 def store_kv(

@@ -1,10 +1,10 @@
 """Compiles the C++ CPU kernels on first use and loads them with ctypes.
 
 The library is built for the machine it runs on (-march=native) and cached under
-$SPECDEC_HOME/kernels, keyed by the source, the compiler and flags, and the CPU's feature
-flags, so a home shared between machines never loads code built for another CPU. Only a
-C++ compiler is needed (g++ by default, or $CXX): no torch headers, so a build takes
-about a second. OpenMP comes from the libgomp torch already loaded.
+$SPECDEC_HOME/kernels, keyed by the source and the headers beside it, the compiler and
+flags, and the CPU's feature flags, so a home shared between machines never loads code
+built for another CPU. Only a C++ compiler is needed (g++ by default, or $CXX): no
+torch headers, so a build takes a second or two. OpenMP comes from the libgomp torch already loaded.
 """
 from __future__ import annotations
 
@@ -48,8 +48,21 @@ def load(name: str) -> ctypes.CDLL:
         raise KernelBuildError(f"cannot load {library}: {error}") from error
 
 
+@functools.cache
+def builds(name: str, fallback: str) -> bool:
+    """Whether csrc/<name>.cpp builds and loads here, tried once per process; if it does
+    not, one warning says that `fallback` is used instead."""
+    try:
+        load(name)
+    except KernelBuildError as error:
+        logger.warning("C++ kernel %s unavailable, using %s: %s", name, fallback, error)
+        return False
+    return True
+
+
 def _digest(source: Path, compiler: str) -> str:
-    parts = [source.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
+    headers = [header.read_bytes() for header in sorted(SOURCE_DIR.glob("*.h"))]
+    parts = [source.read_bytes(), *headers, compiler.encode(), " ".join(FLAGS).encode(),
              platform.machine().encode(), _cpu_flags().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 

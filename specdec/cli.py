@@ -30,8 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--linear-backend", default="auto",
-                        help="packed CPU matmuls for the projections and LM head: fp32 | fp16 | int8 | bf16 "
-                             "| onednn-fp32 | onednn-bf16 (see evals/bench_kernels.py)")
+                        help="packed CPU matmuls for the projections and LM head: auto | cpp-fp16 | fp16 | fp32 "
+                             "| int8 | int8-rowwise | bf16 | onednn-fp32 | onednn-bf16 (see evals/bench_kernels.py)")
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "cpp", "torch"),
                         help="CPU attention: the C++ paged kernel (cpp; auto uses it when it builds) or "
                              "the torch reference (torch); CUDA always runs Triton")

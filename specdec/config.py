@@ -79,7 +79,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     speculative_config: SpeculativeConfig | None = None
     dtype: torch.dtype = torch.float32
-    linear_backend: str = "auto"  # specdec.models.linear: auto | fp32 | fp16 | int8 | bf16 | onednn-*
+    linear_backend: str = "auto"  # specdec.models.linear: auto | fp32 | cpp-fp16 | fp16 | int8 | bf16 | onednn-*
     attention_backend: str = "auto"  # specdec.kernels.attention: auto | cpp | torch
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

@@ -16,25 +16,33 @@
 #include <cstring>
 #include <vector>
 
+#include "lanes.h"
+
 namespace {
 
+using specdec::BFloat16;
+using specdec::Half;
+using specdec::IntLanes;
+using specdec::kLanes;
+using specdec::Lanes;
+using specdec::load;
+using specdec::store;
+
 enum CacheDtype : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFp8E4M3 = 3 };
+
+// Keys this far ahead of the one in use are requested from memory: the paged cache's
+// blocks are scattered, so the hardware prefetchers alone leave the loads waiting.
+constexpr int64_t kAhead = 32;
+
+template <typename T, int64_t kChunks>
+inline void prefetch_head(const T* p) {
+  specdec::prefetch(p, kChunks * kLanes * static_cast<int64_t>(sizeof(T)));
+}
 
 // Sums keep kLanes partial sums, combined in a fixed order, never an `omp simd
 // reduction`: a compiler-chosen reduction may start at an alignment boundary, so its
 // rounding would depend on where a buffer happens to sit in memory.
-constexpr int64_t kLanes = 16;
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-inline Lanes load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
-
+//
 // Lane l += lane l + 8, then + 4, + 2, + 1, in registers (a store and scalar reloads
 // would stall on store forwarding, once per key and head).
 inline float sum_lanes(Lanes v) {
@@ -116,21 +124,10 @@ struct Fp8Table {
 };
 const Fp8Table kFp8;
 
-// Head vector `index` of a [*, D] cache view in float32 (fp8 times its scale).
-void convert_head(const void* cache, const float* scales, int32_t dtype, int64_t index, int64_t d, float* out) {
-  if (dtype == kFloat16) {
-    const _Float16* src = static_cast<const _Float16*>(cache) + index * d;
-    for (int64_t i = 0; i < d; ++i) out[i] = static_cast<float>(src[i]);
-  } else if (dtype == kBFloat16) {
-    const uint16_t* src = static_cast<const uint16_t*>(cache) + index * d;
-    for (int64_t i = 0; i < d; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-      std::memcpy(out + i, &bits, sizeof(float));
-    }
-  } else {
-    const uint8_t* src = static_cast<const uint8_t*>(cache) + index * d;
-    for (int64_t i = 0; i < d; ++i) out[i] = kFp8.value[src[i]] * scales[index];
-  }
+// Head vector `index` of an fp8 [*, D] cache view in float32, times its scale.
+void convert_fp8_head(const void* cache, const float* scales, int64_t index, int64_t d, float* out) {
+  const uint8_t* src = static_cast<const uint8_t*>(cache) + index * d;
+  for (int64_t i = 0; i < d; ++i) out[i] = kFp8.value[src[i]] * scales[index];
 }
 
 struct Layout {
@@ -148,31 +145,34 @@ struct Cache {
 
 constexpr int64_t kTile = 32;  // shared keys per tile: a K or V tile stays in L1 across a group's rows
 
-// The keys of one kv head: (slot, kv head) indices and their K, V as float32 pointers,
-// into the cache itself or (fp16, bf16, fp8) into buffers converted once per item.
+// The keys of one kv head: (slot, kv head) indices and pointers to their K, V of element
+// type T: into the cache itself, or (fp8, T = float) into buffers converted once per item.
+template <typename T>
 struct Keys {
   std::vector<int64_t> heads;
-  std::vector<const float*> k, v;
+  std::vector<const T*> k, v;
   std::vector<float> k_buffer, v_buffer;
 
   void resolve(const Cache& c, int64_t d) {
     const int64_t n = static_cast<int64_t>(heads.size());
     k.resize(n);
     v.resize(n);
-    if (c.dtype != kFloat32) {
-      k_buffer.resize(n * d);
-      v_buffer.resize(n * d);
-    }
+    if (c.dtype == kFp8E4M3) return resolve_fp8(c, d);
     for (int64_t j = 0; j < n; ++j) {
-      if (c.dtype == kFloat32) {
-        k[j] = static_cast<const float*>(c.k) + heads[j] * d;
-        v[j] = static_cast<const float*>(c.v) + heads[j] * d;
-        continue;
-      }
-      convert_head(c.k, c.k_scale, c.dtype, heads[j], d, k_buffer.data() + j * d);
-      convert_head(c.v, c.v_scale, c.dtype, heads[j], d, v_buffer.data() + j * d);
-      k[j] = k_buffer.data() + j * d;
-      v[j] = v_buffer.data() + j * d;
+      k[j] = static_cast<const T*>(c.k) + heads[j] * d;
+      v[j] = static_cast<const T*>(c.v) + heads[j] * d;
+    }
+  }
+
+  void resolve_fp8(const Cache& c, int64_t d) {
+    const int64_t n = static_cast<int64_t>(heads.size());
+    k_buffer.resize(n * d);
+    v_buffer.resize(n * d);
+    for (int64_t j = 0; j < n; ++j) {
+      convert_fp8_head(c.k, c.k_scale, heads[j], d, k_buffer.data() + j * d);
+      convert_fp8_head(c.v, c.v_scale, heads[j], d, v_buffer.data() + j * d);
+      k[j] = reinterpret_cast<const T*>(k_buffer.data() + j * d);
+      v[j] = reinterpret_cast<const T*>(v_buffer.data() + j * d);
     }
   }
 };
@@ -195,10 +195,11 @@ void append_range(const int32_t* table, int64_t begin, int64_t end, int64_t g, c
 // A group: query rows of one request, row i seeing the request's first prefix[i]
 // positions (a prefix of the shared keys, each tile read once for every row that sees
 // it), then its own further keys (a tree node's ancestors).
+template <typename T>
 struct Group {
   std::vector<int64_t> prefix;      // [R]
-  Keys shared;                      // positions [0, max prefix)
-  std::vector<Keys> own;            // [R]
+  Keys<T> shared;                   // positions [0, max prefix)
+  std::vector<Keys<T>> own;         // [R]
   std::vector<const float*> query;  // [R] the row's heads for this kv head: [G, D]
   std::vector<float*> out;          // [R]
   std::vector<int64_t> offset;      // [R + 1] start of each row's scores: [G, n_r]
@@ -209,7 +210,8 @@ struct Group {
   std::vector<const float*> own_weights;   // [G] one row's weights of its own keys
 };
 
-inline float* weights(Group& grp, int64_t i, int64_t h, int64_t group) {
+template <typename T>
+inline float* weights(Group<T>& grp, int64_t i, int64_t h, int64_t group) {
   return grp.scores.data() + grp.offset[i] + h * (grp.offset[i + 1] - grp.offset[i]) / group;
 }
 
@@ -221,8 +223,9 @@ struct RowSpec {
 };
 
 // Fill `grp` for rows [first, last) (of one request) and kv head g.
+template <typename T>
 void gather_group(const RowSpec& spec, int64_t first, int64_t last, const int32_t* table, int64_t g,
-                  const float* query, float* out, const Cache& c, const Layout& l, Group& grp) {
+                  const float* query, float* out, const Cache& c, const Layout& l, Group<T>& grp) {
   const int64_t num_rows = last - first, group = l.num_heads / l.num_kv_heads, d = l.head_dim;
   grp.prefix.assign(spec.prefixes + first, spec.prefixes + last);
   int64_t longest = 0;
@@ -236,7 +239,7 @@ void gather_group(const RowSpec& spec, int64_t first, int64_t last, const int32_
   grp.offset.assign(1, 0);
   for (int64_t i = 0; i < num_rows; ++i) {
     const int64_t r = first + i;
-    Keys& own = grp.own[i];
+    Keys<T>& own = grp.own[i];
     own.heads.clear();
     for (int64_t e = spec.extra_start[r]; e < spec.extra_start[r + 1]; ++e)
       own.heads.push_back(head_of(table, spec.extra[e], g, l));
@@ -256,9 +259,11 @@ void gather_group(const RowSpec& spec, int64_t first, int64_t last, const int32_
     }
 }
 
-// scores[j] = scale * q . k[j] for j in [begin, end), q (kChunks * kLanes floats) in registers.
-template <int64_t kChunks>
-void score_keys(const float* q, const float* const* k, int64_t begin, int64_t end, float scale, float* scores) {
+// scores[j] = scale * q . k[j] for j in [begin, end), q (kChunks * kLanes floats) in
+// registers; keys [j + kAhead, limit) are prefetched as j advances.
+template <int64_t kChunks, typename T>
+void score_keys(const float* q, const T* const* k, int64_t begin, int64_t end, float scale, float* scores,
+                int64_t limit) {
   Lanes query[kChunks];
   for (int64_t c = 0; c < kChunks; ++c) query[c] = load(q + c * kLanes);
   auto dot = [&](int64_t j) {
@@ -268,6 +273,7 @@ void score_keys(const float* q, const float* const* k, int64_t begin, int64_t en
   };
   int64_t j = begin;
   for (; j + 4 <= end; j += 4) {
+    for (int64_t a = j + kAhead; a < j + kAhead + 4 && a < limit; ++a) prefetch_head<T, kChunks>(k[a]);
     const Lanes sums = sum_lanes4(dot(j), dot(j + 1), dot(j + 2), dot(j + 3));
     for (int64_t i = 0; i < 4; ++i) scores[j + i] = sums[4 * i] * scale;
   }
@@ -277,53 +283,60 @@ void score_keys(const float* q, const float* const* k, int64_t begin, int64_t en
 // acc[p] += sum_j weights[p][j] * v[j] for j in [begin, end) and kHeads (row, head)
 // pairs at once, in key order, accumulators in registers: each value vector is loaded
 // once for all of them, and their kHeads * kChunks addition chains run side by side.
-template <int64_t kChunks, int64_t kHeads>
-void mix_keys(const float* const* weights, const float* const* v, int64_t begin, int64_t end, float* const* acc) {
+// Values [j + kAhead, limit) are prefetched as j advances.
+template <int64_t kChunks, int64_t kHeads, typename T>
+void mix_keys(const float* const* weights, const T* const* v, int64_t begin, int64_t end, float* const* acc,
+              int64_t limit) {
   Lanes sum[kHeads][kChunks];
   for (int64_t p = 0; p < kHeads; ++p)
     for (int64_t c = 0; c < kChunks; ++c) sum[p][c] = load(acc[p] + c * kLanes);
-  for (int64_t j = begin; j < end; ++j)
+  for (int64_t j = begin; j < end; ++j) {
+    if (j + kAhead < limit) prefetch_head<T, kChunks>(v[j + kAhead]);
     for (int64_t c = 0; c < kChunks; ++c) {
       const Lanes value = load(v[j] + c * kLanes);
       for (int64_t p = 0; p < kHeads; ++p) sum[p][c] += weights[p][j] * value;
     }
+  }
   for (int64_t p = 0; p < kHeads; ++p)
     for (int64_t c = 0; c < kChunks; ++c) store(acc[p] + c * kLanes, sum[p][c]);
 }
 
-// mix_keys over `count` (row, head) pairs, as many at a time as 16 accumulators allow.
-template <int64_t kChunks>
-void mix_pairs(const float* const* weights, const float* const* v, int64_t begin, int64_t end, float* const* acc,
-               int64_t count) {
+// mix_keys over `count` (row, head) pairs, as many at a time as 16 accumulators allow;
+// the first batch of pairs prefetches up to `limit`.
+template <int64_t kChunks, typename T>
+void mix_pairs(const float* const* weights, const T* const* v, int64_t begin, int64_t end, float* const* acc,
+               int64_t count, int64_t limit) {
   constexpr int64_t kMost = kChunks >= 8 ? 2 : (kChunks >= 5 ? 3 : 4);
   int64_t p = 0;
-  for (; p + kMost <= count; p += kMost) mix_keys<kChunks, kMost>(weights + p, v, begin, end, acc + p);
-  if (count - p == 3) mix_keys<kChunks, 3>(weights + p, v, begin, end, acc + p);
-  if (count - p == 2) mix_keys<kChunks, 2>(weights + p, v, begin, end, acc + p);
-  if (count - p == 1) mix_keys<kChunks, 1>(weights + p, v, begin, end, acc + p);
+  for (; p + kMost <= count; p += kMost, limit = 0)
+    mix_keys<kChunks, kMost, T>(weights + p, v, begin, end, acc + p, limit);
+  if (count - p == 3) mix_keys<kChunks, 3, T>(weights + p, v, begin, end, acc + p, limit);
+  if (count - p == 2) mix_keys<kChunks, 2, T>(weights + p, v, begin, end, acc + p, limit);
+  if (count - p == 1) mix_keys<kChunks, 1, T>(weights + p, v, begin, end, acc + p, limit);
 }
 
-// Scores of shared keys [t, t_end) for every row and head of the group.
-template <int64_t kChunks>
-void score_shared(Group& grp, int64_t t, int64_t t_end, int64_t group, float scale) {
+// Scores of shared keys [t, t_end) for every row and head of the group; each row's first
+// head prefetches the keys ahead.
+template <int64_t kChunks, typename T>
+void score_shared(Group<T>& grp, int64_t t, int64_t t_end, int64_t group, float scale) {
   for (size_t i = 0; i < grp.own.size(); ++i) {
     const int64_t end = t_end < grp.prefix[i] ? t_end : grp.prefix[i];
     for (int64_t h = 0; t < end && h < group; ++h)
-      score_keys<kChunks>(grp.query[i] + h * kChunks * kLanes, grp.shared.k.data(), t, end, scale,
-                          weights(grp, i, h, group));
+      score_keys<kChunks, T>(grp.query[i] + h * kChunks * kLanes, grp.shared.k.data(), t, end, scale,
+                             weights(grp, i, h, group), h == 0 ? grp.prefix[i] : 0);
   }
 }
 
 // Scores of each row's own keys, then softmax weights; grp.inverse gets 1 / their sums.
-template <int64_t kChunks>
-void softmax(Group& grp, int64_t group, float scale) {
+template <int64_t kChunks, typename T>
+void softmax(Group<T>& grp, int64_t group, float scale) {
   grp.inverse.resize(grp.own.size() * group);
   for (size_t i = 0; i < grp.own.size(); ++i) {
     const int64_t own = static_cast<int64_t>(grp.own[i].k.size()), n = grp.prefix[i] + own;
     for (int64_t h = 0; h < group; ++h) {
       float* w = weights(grp, i, h, group);
-      score_keys<kChunks>(grp.query[i] + h * kChunks * kLanes, grp.own[i].k.data(), 0, own, scale,
-                          w + grp.prefix[i]);
+      score_keys<kChunks, T>(grp.query[i] + h * kChunks * kLanes, grp.own[i].k.data(), 0, own, scale,
+                             w + grp.prefix[i], 0);
       float top = w[0];
       for (int64_t j = 1; j < n; ++j) top = w[j] > top ? w[j] : top;
       grp.inverse[i * group + h] = 1.0f / exponentiate(w, n, top);
@@ -332,24 +345,24 @@ void softmax(Group& grp, int64_t group, float scale) {
 }
 
 // Weighted values of shared keys [t, t_end) into every row and head's accumulators.
-template <int64_t kChunks>
-void mix_shared(Group& grp, int64_t t, int64_t t_end, int64_t group) {
+template <int64_t kChunks, typename T>
+void mix_shared(Group<T>& grp, int64_t t, int64_t t_end, int64_t group) {
   for (size_t i = 0; i < grp.own.size(); ++i) {
     const int64_t end = t_end < grp.prefix[i] ? t_end : grp.prefix[i];
     if (t < end)
-      mix_pairs<kChunks>(grp.pair_weights.data() + i * group, grp.shared.v.data(), t, end,
-                         grp.pair_acc.data() + i * group, group);
+      mix_pairs<kChunks, T>(grp.pair_weights.data() + i * group, grp.shared.v.data(), t, end,
+                            grp.pair_acc.data() + i * group, group, grp.prefix[i]);
   }
 }
 
 // Each row's own values (its heads together), then the normalised outputs.
-template <int64_t kChunks>
-void finish(Group& grp, int64_t group) {
+template <int64_t kChunks, typename T>
+void finish(Group<T>& grp, int64_t group) {
   for (size_t i = 0; i < grp.own.size(); ++i) {
     grp.own_weights.resize(group);
     for (int64_t h = 0; h < group; ++h) grp.own_weights[h] = weights(grp, i, h, group) + grp.prefix[i];
-    mix_pairs<kChunks>(grp.own_weights.data(), grp.own[i].v.data(), 0, static_cast<int64_t>(grp.own[i].v.size()),
-                       grp.pair_acc.data() + i * group, group);
+    mix_pairs<kChunks, T>(grp.own_weights.data(), grp.own[i].v.data(), 0, static_cast<int64_t>(grp.own[i].v.size()),
+                          grp.pair_acc.data() + i * group, group, 0);
     for (int64_t h = 0; h < group; ++h) {
       const float* acc = grp.pair_acc[i * group + h];
       for (int64_t c = 0; c < kChunks; ++c)
@@ -362,27 +375,73 @@ void finish(Group& grp, int64_t group) {
 // head each). Each (row, head) sees the same operations in the same key order as it
 // would alone; tiles only interleave rows and kv heads, so that a tile's K and V are read
 // from memory once and in address order (kv heads sit side by side in a slot).
-template <int64_t kChunks>
-void attend_groups(std::vector<Group>& grps, int64_t group, float scale) {
+template <int64_t kChunks, typename T>
+void attend_groups(std::vector<Group<T>>& grps, int64_t group, float scale) {
   const int64_t longest = static_cast<int64_t>(grps[0].shared.k.size());
   for (int64_t t = 0; t < longest; t += kTile)
-    for (Group& grp : grps) score_shared<kChunks>(grp, t, t + kTile < longest ? t + kTile : longest, group, scale);
-  for (Group& grp : grps) softmax<kChunks>(grp, group, scale);
+    for (Group<T>& grp : grps)
+      score_shared<kChunks, T>(grp, t, t + kTile < longest ? t + kTile : longest, group, scale);
+  for (Group<T>& grp : grps) softmax<kChunks, T>(grp, group, scale);
   for (int64_t t = 0; t < longest; t += kTile)
-    for (Group& grp : grps) mix_shared<kChunks>(grp, t, t + kTile < longest ? t + kTile : longest, group);
-  for (Group& grp : grps) finish<kChunks>(grp, group);
+    for (Group<T>& grp : grps) mix_shared<kChunks, T>(grp, t, t + kTile < longest ? t + kTile : longest, group);
+  for (Group<T>& grp : grps) finish<kChunks, T>(grp, group);
 }
 
-using GroupFn = void (*)(std::vector<Group>&, int64_t, float);
+// One call's rows, as specdec_paged_attention_rows describes them.
+struct Step {
+  const float* query;
+  float* out;
+  Cache cache;
+  Layout layout;
+  RowSpec spec;
+  const int32_t* block_tables;
+  const int64_t* group_start;
+  const int64_t* group_requests;
+  int64_t num_groups, max_blocks, head_splits;
+  int32_t num_threads;
+};
+
+// Every work item of the step; T is the cache's element type as the kernel reads it.
+template <int64_t kChunks, typename T>
+void run(const Step& s) {
+  const Layout& l = s.layout;
+  const int64_t items = s.num_groups * s.head_splits, heads_per_item = (l.num_kv_heads + s.head_splits - 1) / s.head_splits;
+#pragma omp parallel num_threads(s.num_threads)
+  {
+    std::vector<Group<T>> grps;
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t i = item / s.head_splits, first = item % s.head_splits * heads_per_item;
+      const int64_t last = first + heads_per_item < l.num_kv_heads ? first + heads_per_item : l.num_kv_heads;
+      if (first >= last) continue;
+      grps.resize(last - first);
+      for (int64_t g = first; g < last; ++g)
+        gather_group(s.spec, s.group_start[i], s.group_start[i + 1], s.block_tables + s.group_requests[i] * s.max_blocks,
+                     g, s.query, s.out, s.cache, l, grps[g - first]);
+      attend_groups<kChunks, T>(grps, l.num_heads / l.num_kv_heads, l.scale);
+    }
+  }
+}
+
+using RunFn = void (*)(const Step&);
+
+template <int64_t kChunks>
+RunFn run_for(int32_t dtype) {
+  switch (dtype) {
+    case kFloat16: return run<kChunks, Half>;
+    case kBFloat16: return run<kChunks, BFloat16>;
+    default: return run<kChunks, float>;  // fp32, and fp8 converted to float32 buffers
+  }
+}
 
 // Head dims the kernel is instantiated for (multiples of kLanes); others use the reference.
-GroupFn group_fn(int64_t head_dim) {
+RunFn run_fn(int64_t head_dim, int32_t dtype) {
   switch (head_dim) {
-    case 32: return attend_groups<2>;
-    case 64: return attend_groups<4>;
-    case 80: return attend_groups<5>;
-    case 96: return attend_groups<6>;
-    case 128: return attend_groups<8>;
+    case 32: return run_for<2>(dtype);
+    case 64: return run_for<4>(dtype);
+    case 80: return run_for<5>(dtype);
+    case 96: return run_for<6>(dtype);
+    case 128: return run_for<8>(dtype);
     default: return nullptr;
   }
 }
@@ -392,7 +451,7 @@ GroupFn group_fn(int64_t head_dim) {
 extern "C" {
 
 // Whether specdec_paged_attention_rows handles this head dim.
-int32_t specdec_paged_attention_supports(int64_t head_dim) { return group_fn(head_dim) != nullptr; }
+int32_t specdec_paged_attention_supports(int64_t head_dim) { return run_fn(head_dim, kFloat32) != nullptr; }
 
 // query, out: [T, Hq, D] float32 contiguous; k, v: [num_blocks, block_size, Hkv, D] in
 // `dtype`; k_scale, v_scale: [num_blocks, block_size, Hkv] float32 (fp8) or null;
@@ -408,26 +467,11 @@ void specdec_paged_attention_rows(const float* query, float* out, const void* k,
                                   const int64_t* group_requests, int64_t num_groups, int64_t num_heads,
                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
                                   float scale, int32_t num_threads, int64_t head_splits) {
-  const Layout layout{num_heads, num_kv_heads, head_dim, block_size, scale};
-  const Cache cache{k, v, k_scale, v_scale, dtype};
-  const RowSpec spec{rows, prefixes, extra_start, extra};
-  const GroupFn attend = group_fn(head_dim);
-  const int64_t items = num_groups * head_splits, heads_per_item = (num_kv_heads + head_splits - 1) / head_splits;
-#pragma omp parallel num_threads(num_threads)
-  {
-    std::vector<Group> grps;
-#pragma omp for schedule(dynamic)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t i = item / head_splits, first = item % head_splits * heads_per_item;
-      const int64_t last = first + heads_per_item < num_kv_heads ? first + heads_per_item : num_kv_heads;
-      if (first >= last) continue;
-      grps.resize(last - first);
-      for (int64_t g = first; g < last; ++g)
-        gather_group(spec, group_start[i], group_start[i + 1], block_tables + group_requests[i] * max_blocks, g,
-                     query, out, cache, layout, grps[g - first]);
-      attend(grps, num_heads / num_kv_heads, scale);
-    }
-  }
+  const Step step{query,       out,         Cache{k, v, k_scale, v_scale, dtype},
+                  Layout{num_heads, num_kv_heads, head_dim, block_size, scale},
+                  RowSpec{rows, prefixes, extra_start, extra},
+                  block_tables, group_start, group_requests, num_groups, max_blocks, head_splits, num_threads};
+  run_fn(head_dim, dtype)(step);
 }
 
 }  // extern "C"

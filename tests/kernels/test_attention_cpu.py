@@ -188,17 +188,6 @@ def test_unknown_backend_is_refused():
         attention.check_backend("fast")
 
 
-@pytest.fixture
-def fresh_build():
-    """The build and availability caches empty for this test, and again after it."""
-    def clear() -> None:
-        cpu_build.load.cache_clear()
-        attention.cpp_available.cache_clear()
-    clear()
-    yield
-    clear()
-
-
 def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path, fresh_build):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-c++")

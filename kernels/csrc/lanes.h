@@ -1,0 +1,67 @@
+// 16 float32 lanes as a GCC vector (one AVX-512 register, two AVX2 ones), and loads that
+// widen fp16 and bf16 elements into them exactly: shared by the C++ CPU kernels.
+// cpu_build.py keys its cache on this header too.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace specdec {
+
+constexpr int64_t kLanes = 16;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline Lanes load(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
+
+// fp16 and bf16 elements as stored (bit patterns): read at their own width and widened
+// in registers.
+struct Half {
+  uint16_t bits;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline Lanes load(const Half* p) {
+#if defined(__AVX512F__)
+  __m256i h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<Lanes>(_mm512_cvtph_ps(h));
+#elif defined(__F16C__)
+  __m128i h[2];
+  std::memcpy(h, p, sizeof h);
+  const __m256 halves[2] = {_mm256_cvtph_ps(h[0]), _mm256_cvtph_ps(h[1])};
+  Lanes v;
+  std::memcpy(&v, halves, sizeof v);
+  return v;
+#else
+  Lanes v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(reinterpret_cast<const _Float16*>(p)[l]);
+  return v;
+#endif
+}
+
+typedef uint16_t ShortLanes __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t WordLanes __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline Lanes load(const BFloat16* p) {
+  ShortLanes bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return reinterpret_cast<Lanes>(__builtin_convertvector(bits, WordLanes) << 16);
+}
+
+// Asks for the cache lines of `bytes` bytes from p ahead of use (never faults).
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char*>(p) + offset);
+}
+
+}  // namespace specdec

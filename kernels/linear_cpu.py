@@ -1,0 +1,59 @@
+"""fp32 x fp16-weight linear layers on the CPU through the C++ kernel (csrc/linear_fp16.cpp).
+
+The weight is packed once into tiles of 16 output columns, k-major inside each tile, so
+the kernel streams it in one pass per block of rows. Each output is one fused
+multiply-add chain in k order: batch invariant, so a verify over 1 + k rows gives each
+row exactly what a one-row decode would.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from specdec.kernels import cpu_build
+
+_LIBRARY = "linear_fp16"
+TILE = 16  # output columns per packed tile
+
+
+def load() -> None:
+    """Build (first time on this machine) and load the kernel; KernelBuildError if it cannot."""
+    _library()
+
+
+def pack_fp16(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N / 16), K, 16] fp16
+    """The kernel's layout of a weight: zero-padded to whole tiles of 16 output columns."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // TILE) * TILE, k, dtype=torch.float16)
+    padded[:n] = weight.detach()
+    return padded.view(-1, TILE, k).transpose(1, 2).contiguous()
+
+
+def linear_fp16(
+    x: torch.Tensor,  # [M, K] float32
+    packed: torch.Tensor,  # [ceil(N / 16), K, 16] fp16 from pack_fp16
+    bias: torch.Tensor | None,  # [N] float32
+    out_features: int,  # N
+) -> torch.Tensor:  # [M, N] float32, new and contiguous
+    x = x.contiguous()
+    if x.dtype != torch.float32 or x.shape[-1] != packed.shape[1]:
+        raise ValueError(f"linear_fp16 needs float32 x with {packed.shape[1]} features, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if x.shape[0] == 0:
+        return out
+    _library().specdec_linear_fp16(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out_features,
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                   torch.get_num_threads())
+    return out
+
+
+def _library() -> ctypes.CDLL:
+    library = cpu_build.load(_LIBRARY)
+    function = library.specdec_linear_fp16
+    if function.argtypes is None:
+        function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
+        function.restype = None
+    return library
