@@ -212,6 +212,6 @@ def test_auto_falls_back_to_the_reference_with_a_warning(monkeypatch, tmp_path, 
     with caplog.at_level("WARNING"):
         out = attention.paged_attention(q, kv, meta, 0.1)  # meta.backend is "auto"
     assert torch.equal(out, paged_attention_ref(q, kv, meta, 0.1))
-    assert "C++ attention kernel unavailable" in caplog.text and "no-such-c++" in caplog.text
+    assert "C++ kernel paged_attention unavailable" in caplog.text and "no-such-c++" in caplog.text
     with pytest.raises(cpu_build.KernelBuildError):
         attention.check_backend("cpp")
