@@ -7,8 +7,11 @@ from typing import Any
 import torch
 
 METHODS = ("ngram", "draft_model", "medusa")
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~23k tokens of KV for the default model in fp32
-# KV cache storage dtypes (vLLM's --kv-cache-dtype); "auto" stores K/V in the model dtype.
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k tokens of KV for the default model in fp16
+# KV cache storage dtypes (vLLM's --kv-cache-dtype). "auto" stores K/V in the model dtype,
+# except fp16 for a float32 model (llama.cpp's default cache type): half the memory and
+# bandwidth, and on the default model every greedy output and forced next token of
+# evals/bench_kv_dtype.py is the same as with fp32 K/V.
 # fp8 is float8_e4m3fn with one float32 scale per (slot, kv head): see kernels/kv_cache.py.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
@@ -112,5 +115,6 @@ class EngineConfig:
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
-        """The KV cache's storage dtype: kv_cache_dtype, or the model dtype for "auto"."""
-        return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or self.dtype
+        """The KV cache's storage dtype: kv_cache_dtype, or for "auto" the model dtype,
+        fp16 in place of float32."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or (torch.float16 if self.dtype == torch.float32 else self.dtype)

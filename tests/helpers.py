@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -71,3 +73,9 @@ def single_request_meta(
         seq_lens_cpu=[seq_len],
         tree_mask=tree_mask,
     )
+
+
+def block_bytes(llm: Any) -> int:
+    """Bytes of one 16-slot KV block of `llm`'s engine (every layer, K and V, its KV dtype)."""
+    mc, config = llm.engine.model_config, llm.engine.config
+    return 16 * mc.num_layers * PagedKV.bytes_per_slot(mc.num_kv_heads, mc.head_dim, config.kv_cache_torch_dtype)

@@ -39,7 +39,8 @@ def chat_ids(llm: LLM, text: str) -> list[int]:
 def test_plain_greedy_matches_transformers() -> None:
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(DEFAULT_MODEL, max_model_len=1024, linear_backend="fp32")  # fp32 like the reference
+    # fp32 weights and K/V like the reference
+    llm = LLM(DEFAULT_MODEL, max_model_len=1024, linear_backend="fp32", kv_cache_dtype="fp32")
     hf = AutoModelForCausalLM.from_pretrained(str(llm.model_dir), dtype=torch.float32)
     prompts = [chat_ids(llm, c) for c in CHATS[:5]]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))

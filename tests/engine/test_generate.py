@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
+from tests.helpers import block_bytes
 
 PROMPTS = [
     "The quick brown fox",
@@ -51,18 +52,13 @@ def test_batched_equals_one_at_a_time(tiny_model_dir, prefix_caching: bool) -> N
     expected = [token_ids(single.generate([p], GREEDY))[0] for p in PROMPTS]
     # A budget of 16 tokens forces chunked prefill; 12 blocks of 16 force preemption.
     batched = LLM(str(tiny_model_dir), max_model_len=192, max_num_batched_tokens=16,
-                  kv_cache_memory=12 * _block_bytes(single), enable_prefix_caching=prefix_caching)
+                  kv_cache_memory=12 * block_bytes(single), enable_prefix_caching=prefix_caching)
     assert token_ids(batched.generate(PROMPTS, GREEDY)) == expected
     assert batched.get_metrics()["num_preemptions"] > 0
     assert_all_blocks_free(batched)
     if prefix_caching:  # a second pass hits the cache and still agrees
         assert token_ids(batched.generate(PROMPTS, GREEDY)) == expected
         assert_all_blocks_free(batched)
-
-
-def _block_bytes(llm: LLM) -> int:
-    mc = llm.engine.model_config
-    return 2 * mc.num_layers * 16 * mc.num_kv_heads * mc.head_dim * 4
 
 
 def test_prefix_cache_hits(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]

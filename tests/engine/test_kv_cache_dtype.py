@@ -55,14 +55,14 @@ def test_greedy_speculation_is_lossless(plain: LLM, tiny_model_dir: Any, tiny_dr
 def test_pool_block_count_scales_with_kv_dtype(tiny_model_dir: Any) -> None:
     def num_blocks(kv_dtype: str) -> int:
         llm = LLM(str(tiny_model_dir), max_model_len=64, kv_cache_memory=budget, kv_cache_dtype=kv_dtype)
-        assert llm.engine.runner.kv_cache.layers[0].k.dtype == (KV_CACHE_DTYPES[kv_dtype] or torch.float32)
+        assert llm.engine.runner.kv_cache.layers[0].k.dtype == (KV_CACHE_DTYPES[kv_dtype] or torch.float16)
         return llm.engine.block_manager.num_blocks
 
     mc = LLM(str(tiny_model_dir), max_model_len=64).engine.model_config
     fp32_block = 2 * mc.num_layers * 16 * mc.num_kv_heads * mc.head_dim * 4
     budget = 40 * fp32_block
-    assert num_blocks("auto") == num_blocks("fp32") == 40
-    assert num_blocks("fp16") == num_blocks("bf16") == 80
+    assert num_blocks("fp32") == 40
+    assert num_blocks("auto") == num_blocks("fp16") == num_blocks("bf16") == 80  # auto: fp16 for a float32 model
     fp8_block = 2 * mc.num_layers * 16 * mc.num_kv_heads * (mc.head_dim + 4)  # + one fp32 scale per head
     assert num_blocks("fp8") == budget // fp8_block > 3 * 40
 

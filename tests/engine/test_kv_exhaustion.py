@@ -13,7 +13,8 @@ import pytest
 from specdec.llm import LLM
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest
-from tests.engine.test_generate import _block_bytes, assert_all_blocks_free
+from tests.engine.test_generate import assert_all_blocks_free
+from tests.helpers import block_bytes
 from tests.engine.test_speculative import random_prompts
 
 NUM_REQUESTS = 24
@@ -78,7 +79,7 @@ def run(llm: LLM, prompts: list[list[int]]) -> Trace:
 def engine(model_dir: Any, blocks: int, speculative: dict[str, Any] | None) -> LLM:
     probe = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=AMPLE_POOL * 8192)
     return LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64,
-               kv_cache_memory=blocks * _block_bytes(probe), speculative_config=speculative)
+               kv_cache_memory=blocks * block_bytes(probe), speculative_config=speculative)
 
 
 @pytest.mark.parametrize("speculative", [None, NGRAM], ids=["plain", "ngram"])

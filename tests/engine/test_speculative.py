@@ -7,6 +7,7 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from tests.engine.test_generate import assert_all_blocks_free, token_ids
+from tests.helpers import block_bytes
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -52,10 +53,8 @@ def test_greedy_speculation_is_lossless(plain, tiny_model_dir, tiny_draft_dir, m
 def test_mixed_batch_with_chunked_prefill_and_preemption(plain, tiny_model_dir, tiny_draft_dir, method) -> None:  # type: ignore[no-untyped-def]
     prompts = random_prompts(100, 6)
     expected = token_ids(plain.generate(prompts, greedy()))
-    mc = plain.engine.model_config
-    block_bytes = 2 * mc.num_layers * 16 * mc.num_kv_heads * mc.head_dim * 4
     spec = LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=24,
-               kv_cache_memory=9 * block_bytes, speculative_config=spec_configs(tiny_model_dir, tiny_draft_dir)[method])
+               kv_cache_memory=9 * block_bytes(plain), speculative_config=spec_configs(tiny_model_dir, tiny_draft_dir)[method])
     engine = spec.engine
     for i, prompt in enumerate(prompts):  # every other request opts out of speculation
         engine.add_request(f"r{i}", prompt, greedy(), use_speculation=i % 2 == 0)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from specdec import LLM
 from tests.engine.test_generate import assert_all_blocks_free, token_ids
+from tests.helpers import block_bytes
 from tests.engine.test_speculative import greedy, random_prompts
 
 
@@ -43,9 +44,7 @@ def test_tree_with_chunked_prefill_and_preemption(tiny_model_dir, tiny_medusa_di
     plain = LLM(str(tiny_model_dir), max_model_len=128)
     prompts = random_prompts(21, 6)
     expected = token_ids(plain.generate(prompts, greedy()))
-    mc = plain.engine.model_config
-    block_bytes = 2 * mc.num_layers * 16 * mc.num_kv_heads * mc.head_dim * 4
-    tree = LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=32, kv_cache_memory=10 * block_bytes,
+    tree = LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=32, kv_cache_memory=10 * block_bytes(plain),
                speculative_config=medusa(tiny_medusa_dir, num_tree_nodes=8))
     assert token_ids(tree.generate(prompts, greedy())) == expected
     assert tree.get_metrics()["num_preemptions"] > 0

@@ -52,7 +52,7 @@ def start_server(model_dir: Path, name: str, api_key: str | None, **engine_args:
 
     from specdec.llm import LLM
 
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 slots, 2 kv heads, head_dim 16, fp32
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 2  # K+V, 2 layers, 16 slots, 2 kv heads, head_dim 16, fp16 ("auto")
     llm = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=NUM_BLOCKS * block_bytes, **engine_args)
     async_engine = AsyncEngine(llm.engine)
     app = build_app(async_engine, name, api_key)
