@@ -205,9 +205,9 @@ struct Group {
   std::vector<int64_t> offset;      // [R + 1] start of each row's scores: [G, n_r]
   std::vector<float> scores, acc;   // softmax weights; [R, G, D] accumulators
   std::vector<float> inverse;       // [R, G] 1 / sum of each row and head's weights
-  std::vector<const float*> pair_weights;  // [R * G] each (row, head)'s softmax weights
+  std::vector<float*> pair_weights;        // [R * G] each (row, head)'s softmax weights
   std::vector<float*> pair_acc;            // [R * G] and its accumulator
-  std::vector<const float*> own_weights;   // [G] one row's weights of its own keys
+  std::vector<float*> own_weights;         // [G] one row's weights of its own keys
 };
 
 template <typename T>
@@ -259,25 +259,52 @@ void gather_group(const RowSpec& spec, int64_t first, int64_t last, const int32_
     }
 }
 
-// scores[j] = scale * q . k[j] for j in [begin, end), q (kChunks * kLanes floats) in
-// registers; keys [j + kAhead, limit) are prefetched as j advances.
-template <int64_t kChunks, typename T>
-void score_keys(const float* q, const T* const* k, int64_t begin, int64_t end, float scale, float* scores,
+// scores[h][j] = scale * q[h] . k[j] for j in [begin, end) and kHeads heads at once
+// (q: [kHeads, kChunks * kLanes], in registers): each key is loaded, and widened, once for
+// all of them, and each (key, head) dot product takes the same steps it would alone.
+// Keys [j + kAhead, limit) are prefetched as j advances.
+template <int64_t kChunks, int64_t kHeads, typename T>
+void score_keys(const float* q, const T* const* k, int64_t begin, int64_t end, float scale, float* const* scores,
                 int64_t limit) {
-  Lanes query[kChunks];
-  for (int64_t c = 0; c < kChunks; ++c) query[c] = load(q + c * kLanes);
-  auto dot = [&](int64_t j) {
-    Lanes acc = query[0] * load(k[j]);
-    for (int64_t c = 1; c < kChunks; ++c) acc += query[c] * load(k[j] + c * kLanes);
-    return acc;
+  Lanes query[kHeads][kChunks];
+  for (int64_t h = 0; h < kHeads; ++h)
+    for (int64_t c = 0; c < kChunks; ++c) query[h][c] = load(q + (h * kChunks + c) * kLanes);
+  auto dots = [&](int64_t j, Lanes* out) {  // out[h]: head h's lane sums for key j
+    Lanes key[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) key[c] = load(k[j] + c * kLanes);
+    for (int64_t h = 0; h < kHeads; ++h) {
+      out[h] = query[h][0] * key[0];
+      for (int64_t c = 1; c < kChunks; ++c) out[h] += query[h][c] * key[c];
+    }
   };
   int64_t j = begin;
   for (; j + 4 <= end; j += 4) {
     for (int64_t a = j + kAhead; a < j + kAhead + 4 && a < limit; ++a) prefetch_head<T, kChunks>(k[a]);
-    const Lanes sums = sum_lanes4(dot(j), dot(j + 1), dot(j + 2), dot(j + 3));
-    for (int64_t i = 0; i < 4; ++i) scores[j + i] = sums[4 * i] * scale;
+    Lanes four[4][kHeads];
+    for (int64_t i = 0; i < 4; ++i) dots(j + i, four[i]);
+    for (int64_t h = 0; h < kHeads; ++h) {
+      const Lanes sums = sum_lanes4(four[0][h], four[1][h], four[2][h], four[3][h]);
+      for (int64_t i = 0; i < 4; ++i) scores[h][j + i] = sums[4 * i] * scale;
+    }
   }
-  for (; j < end; ++j) scores[j] = sum_lanes(dot(j)) * scale;
+  for (; j < end; ++j) {
+    Lanes one[kHeads];
+    dots(j, one);
+    for (int64_t h = 0; h < kHeads; ++h) scores[h][j] = sum_lanes(one[h]) * scale;
+  }
+}
+
+// score_keys for `count` heads (q: [count, kChunks * kLanes]), as many at a time as the
+// registers hold; the first batch of heads prefetches up to `limit`.
+template <int64_t kChunks, typename T>
+void score_heads(const float* q, const T* const* k, int64_t begin, int64_t end, float scale, float* const* scores,
+                 int64_t count, int64_t limit) {
+  constexpr int64_t kMost = kChunks >= 8 ? 1 : (kChunks >= 5 ? 2 : 3);
+  int64_t h = 0;
+  for (; h + kMost <= count; h += kMost, limit = 0)
+    score_keys<kChunks, kMost, T>(q + h * kChunks * kLanes, k, begin, end, scale, scores + h, limit);
+  if (count - h == 2) score_keys<kChunks, 2, T>(q + h * kChunks * kLanes, k, begin, end, scale, scores + h, limit);
+  if (count - h == 1) score_keys<kChunks, 1, T>(q + h * kChunks * kLanes, k, begin, end, scale, scores + h, limit);
 }
 
 // acc[p] += sum_j weights[p][j] * v[j] for j in [begin, end) and kHeads (row, head)
@@ -321,9 +348,9 @@ template <int64_t kChunks, typename T>
 void score_shared(Group<T>& grp, int64_t t, int64_t t_end, int64_t group, float scale) {
   for (size_t i = 0; i < grp.own.size(); ++i) {
     const int64_t end = t_end < grp.prefix[i] ? t_end : grp.prefix[i];
-    for (int64_t h = 0; t < end && h < group; ++h)
-      score_keys<kChunks, T>(grp.query[i] + h * kChunks * kLanes, grp.shared.k.data(), t, end, scale,
-                             weights(grp, i, h, group), h == 0 ? grp.prefix[i] : 0);
+    if (t < end)
+      score_heads<kChunks, T>(grp.query[i], grp.shared.k.data(), t, end, scale, grp.pair_weights.data() + i * group,
+                              group, grp.prefix[i]);
   }
 }
 
@@ -333,10 +360,11 @@ void softmax(Group<T>& grp, int64_t group, float scale) {
   grp.inverse.resize(grp.own.size() * group);
   for (size_t i = 0; i < grp.own.size(); ++i) {
     const int64_t own = static_cast<int64_t>(grp.own[i].k.size()), n = grp.prefix[i] + own;
+    grp.own_weights.resize(group);
+    for (int64_t h = 0; h < group; ++h) grp.own_weights[h] = weights(grp, i, h, group) + grp.prefix[i];
+    score_heads<kChunks, T>(grp.query[i], grp.own[i].k.data(), 0, own, scale, grp.own_weights.data(), group, 0);
     for (int64_t h = 0; h < group; ++h) {
       float* w = weights(grp, i, h, group);
-      score_keys<kChunks, T>(grp.query[i] + h * kChunks * kLanes, grp.own[i].k.data(), 0, own, scale,
-                             w + grp.prefix[i], 0);
       float top = w[0];
       for (int64_t j = 1; j < n; ++j) top = w[j] > top ? w[j] : top;
       grp.inverse[i * group + h] = 1.0f / exponentiate(w, n, top);
