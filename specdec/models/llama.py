@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.kernels import AttentionMetadata, PagedKV, paged_attention, store_kv
+from specdec.kernels import AttentionMetadata, PagedKV, paged_attention, rms_norm_cpu, store_kv
 from specdec.models.config import ModelConfig, RopeConfig
 
 if TYPE_CHECKING:
@@ -45,6 +45,8 @@ def _optional_param(
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim; weight is [D] or broadcastable like [H, D]."""
+    if rms_norm_cpu.supports(x, weight):
+        return rms_norm_cpu.rms_norm_cpu(x, weight, eps)
     if x.dtype == torch.float32 and weight.dim() == 1:
         return F.rms_norm(x, weight.shape, weight, eps)  # one fused op on the hot path
     # Like HF: normalise in fp32, cast back, then scale in the model dtype.
