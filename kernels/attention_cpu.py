@@ -23,6 +23,8 @@ from specdec.kernels.metadata import AttentionMetadata
 
 _CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, FP8: 3}
 _LIBRARY = "paged_attention"
+_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int32] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + \
+    [ctypes.c_float, ctypes.c_int32, ctypes.c_int64]
 _GROUP_ROWS = 32  # rows per group at most: a prefill chunk is split for balance across threads
 
 
@@ -50,7 +52,8 @@ def supports(query: torch.Tensor, kv: PagedKV) -> bool:
 
 @functools.cache
 def _supports_head_dim(head_dim: int) -> bool:
-    return bool(_library().specdec_paged_attention_supports(head_dim))
+    supports_dim = cpu_build.function(_LIBRARY, "specdec_paged_attention_supports", [ctypes.c_int64], ctypes.c_int32)
+    return bool(supports_dim(head_dim))
 
 
 KernelBuildError = cpu_build.KernelBuildError
@@ -58,7 +61,7 @@ KernelBuildError = cpu_build.KernelBuildError
 
 def load() -> None:
     """Build (first time on this machine) and load the kernel; KernelBuildError if it cannot."""
-    _library()
+    cpu_build.load(_LIBRARY)
 
 
 def paged_attention_cpu(
@@ -77,7 +80,8 @@ def paged_attention_cpu(
 def _attend_rows(query: torch.Tensor, out: torch.Tensor, kv: PagedKV, rows: _Rows, scale: float) -> None:
     tables = rows.tables
     _, block_size, num_kv_heads, head_dim = kv.k.shape
-    _library().specdec_paged_attention_rows(
+    attend = cpu_build.function(_LIBRARY, "specdec_paged_attention_rows", _ARGTYPES)
+    attend(
         _ptr(query), _ptr(out), _ptr(kv.k), _ptr(kv.v), _ptr(kv.k_scale), _ptr(kv.v_scale),
         _CACHE_DTYPES[kv.k.dtype], _ptr(tables), _ptr(rows.rows), _ptr(rows.prefixes), _ptr(rows.extra_start),
         _ptr(rows.extra), _ptr(rows.group_start), _ptr(rows.group_requests), rows.group_requests.numel(),
@@ -91,18 +95,6 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     if not tensor.is_contiguous():
         raise ValueError(f"the C++ attention kernel needs contiguous tensors, got strides {tensor.stride()}")
     return tensor.data_ptr()
-
-
-def _library() -> ctypes.CDLL:
-    library = cpu_build.load(_LIBRARY)
-    function = library.specdec_paged_attention_rows
-    if function.argtypes is None:
-        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int32] + [ctypes.c_void_p] * 7 + \
-            [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int32, ctypes.c_int64]
-        function.restype = None
-        library.specdec_paged_attention_supports.argtypes = [ctypes.c_int64]
-        library.specdec_paged_attention_supports.restype = ctypes.c_int32
-    return library
 
 
 def _plan(meta: AttentionMetadata, num_kv_heads: int) -> _Rows:

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from specdec.model_registry import specdec_home
 
@@ -46,6 +47,15 @@ def load(name: str) -> ctypes.CDLL:
         return ctypes.CDLL(str(library))
     except OSError as error:
         raise KernelBuildError(f"cannot load {library}: {error}") from error
+
+
+def function(name: str, symbol: str, argtypes: list[Any], restype: Any = None) -> Any:
+    """The C function `symbol` of csrc/<name>.cpp, its ctypes signature set on first use."""
+    c_function = getattr(load(name), symbol)
+    if c_function.argtypes is None:
+        c_function.argtypes = argtypes
+        c_function.restype = restype
+    return c_function
 
 
 @functools.cache

@@ -15,11 +15,13 @@ from specdec.kernels import cpu_build
 
 _LIBRARY = "linear_fp16"
 TILE = 16  # output columns per packed tile
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+             ctypes.c_void_p, ctypes.c_int32]
 
 
 def load() -> None:
     """Build (first time on this machine) and load the kernel; KernelBuildError if it cannot."""
-    _library()
+    cpu_build.load(_LIBRARY)
 
 
 def pack_fp16(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N / 16), K, 16] fp16
@@ -43,17 +45,7 @@ def linear_fp16(
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     if x.shape[0] == 0:
         return out
-    _library().specdec_linear_fp16(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out_features,
-                                   None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                   torch.get_num_threads())
+    multiply = cpu_build.function(_LIBRARY, "specdec_linear_fp16", _ARGTYPES)
+    multiply(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out_features,
+             None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
-
-
-def _library() -> ctypes.CDLL:
-    library = cpu_build.load(_LIBRARY)
-    function = library.specdec_linear_fp16
-    if function.argtypes is None:
-        function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
-        function.restype = None
-    return library

@@ -10,6 +10,8 @@ import torch
 from specdec.kernels import cpu_build
 
 _LIBRARY = "rms_norm"
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+             ctypes.c_int32]
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -23,16 +25,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., D], [D] -> [..., D]
     out = torch.empty_like(x)
     dim = weight.shape[0]
-    _library().specdec_rms_norm(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), x.numel() // max(dim, 1), dim,
-                                torch.get_num_threads())
+    normalize = cpu_build.function(_LIBRARY, "specdec_rms_norm", _ARGTYPES)
+    normalize(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), x.numel() // max(dim, 1), dim,
+              torch.get_num_threads())
     return out
-
-
-def _library() -> ctypes.CDLL:
-    library = cpu_build.load(_LIBRARY)
-    function = library.specdec_rms_norm
-    if function.argtypes is None:
-        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
-                             ctypes.c_int64, ctypes.c_int32]
-        function.restype = None
-    return library
