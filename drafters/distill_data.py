@@ -187,6 +187,65 @@ ROLE_PLAYS = [
 ROLES = [("lighthouse keeper", "a class of schoolchildren"), ("museum curator", "new volunteers"),
          ("ship's captain", "first-time passengers"), ("park ranger", "a group of hikers"),
          ("baker", "a cooking club"), ("zookeeper", "visiting students")]
+# Open chat, added after the writing prompts (heads trained on both still guessed worst on
+# open-ended chat): essays, comparisons, opinions, plans, creative writing, product copy,
+# role play, syllogisms and science questions. Topics are our own; none is an evaluation
+# prompt's, and no template copies one.
+OPEN_CHAT: list[tuple[list[str], list[str]]] = [
+    (["What were the main causes and consequences of {x}?", "How did {x} change everyday life?",
+      "Write a short essay about the importance of {x}."],
+     ["the printing press", "the industrial revolution", "the fall of the Roman Empire", "the telephone",
+      "the first moon landing", "the transcontinental railroad", "coffee houses in Europe", "the Silk Road",
+      "the steam engine", "the discovery of penicillin", "the rise of the internet", "the Renaissance"]),
+    (["What are the pros and cons of {x}?", "Should a town adopt {x}? Give arguments for and against.",
+      "Write a balanced opinion piece on {x}."],
+     ["a four-day work week", "school uniforms", "social media for teenagers", "self-driving cars",
+      "online classes", "a vegetarian diet", "open-plan offices", "smart home devices", "space tourism",
+      "coding lessons in primary school", "car-free city centres", "later school start times"]),
+    (["Give me a step-by-step plan to {x}.", "I want to {x}. What should I do in the first month?",
+      "What usually gets in the way when people try to {x}, and how can I get past it?"],
+     ["learn to swim as an adult", "prepare for a job interview", "organise a neighbourhood clean-up",
+      "start running regularly", "write a first novel", "reduce my screen time", "plan a wedding on a budget",
+      "build a simple personal website", "sleep better", "learn basic photography", "keep bees",
+      "prepare for a week-long hike"]),
+    (["Write a short poem about {x}.", "Describe {x} in vivid detail, using all five senses.",
+      "Write a haiku and a limerick about {x}.", "Write a children's story about {x}."],
+     ["the ocean at night", "an old library", "a city waking up", "autumn leaves", "a robot learning to paint",
+      "a forgotten toy", "a thunderstorm", "the smell of fresh bread", "a long train journey", "the first snowfall",
+      "a garden in spring", "a busy airport", "a quiet mountain village", "a kite on a windy day"]),
+    (["Write a product description for {x}.",
+      "Write a customer review of {x}, mentioning one thing you liked and one you did not.",
+      "Write a short advertisement for {x} aimed at students."],
+     ["a reusable water bottle", "a solar-powered phone charger", "a smart alarm clock", "a folding bicycle",
+      "noise-cancelling headphones", "a board game for families", "an electric kettle", "a hiking backpack",
+      "a standing desk", "a language-learning app"]),
+    (["You are {x}. A visitor asks about the hardest part of your job. Answer in character.",
+      "Stay in character as {x} and tell a story from your career.",
+      "As {x}, explain what someone should know before their first visit to your workplace."],
+     ["an astronaut", "a detective", "a beekeeper", "a deep-sea diver", "a librarian", "a train driver",
+      "a florist", "a mountain guide", "a radio host", "a veterinarian"]),
+    (["Can you explain {x}? Keep it under 150 words.", "A curious friend asks you {x}. What do you tell them?"],
+     ["how airplanes fly", "why we have seasons", "how a refrigerator keeps food cold", "what causes earthquakes",
+      "how the heart pumps blood", "why metals conduct electricity", "how GPS finds a location",
+      "what makes a rainbow", "how muscles get stronger", "why the moon has craters", "how sound travels",
+      "how a microwave oven heats food"]),
+]
+SYLLOGISMS = [("roses", "flowers", "red things"), ("whales", "mammals", "ocean animals"),
+              ("squares", "rectangles", "blue shapes"), ("sparrows", "birds", "pets"),
+              ("violins", "instruments", "old objects"), ("oaks", "trees", "tall plants"),
+              ("trout", "fish", "river animals"), ("novels", "books", "best sellers"),
+              ("tulips", "plants", "gifts"), ("lorries", "vehicles", "electric machines")]
+SYLLOGISM_TEMPLATES = [
+    "All {a} are {b}. Some {b} are {c}. Does it follow that some {a} are {c}? Explain your reasoning.",
+    "If every one of the {a} is one of the {b}, and none of the {b} are {c}, can any {a} be {c}? Explain.",
+]
+
+
+def _open_chat_prompts() -> list[str]:
+    prompts = [t.format(x=x) for templates, topics in OPEN_CHAT for t in templates for x in topics]
+    return prompts + [t.format(a=a, b=b, c=c) for t in SYLLOGISM_TEMPLATES for a, b, c in SYLLOGISMS]
+
+
 NAMES = ["Ava", "Liam", "Noah", "Mia", "Omar", "Priya", "Lucas", "Zoe", "Ethan", "Sofia"]
 
 
@@ -225,7 +284,9 @@ def build_prompts(seed: int = PROMPT_SEED) -> list[str]:
     writing = [t.format(x=x) for t in WRITING_TEMPLATES for x in WRITING_TOPICS]
     writing += [t.format(role=role, audience=audience) for t in ROLE_PLAYS for role, audience in ROLES]
     rng.shuffle(writing)
-    return prompts + writing
+    open_chat = _open_chat_prompts()
+    rng.shuffle(open_chat)
+    return prompts + writing + open_chat
 
 
 def split_prompts(num_train: int, num_heldout: int, seed: int = PROMPT_SEED) -> dict[str, list[str]]:
@@ -247,7 +308,7 @@ def split_prompts(num_train: int, num_heldout: int, seed: int = PROMPT_SEED) -> 
 @dataclass
 class DistillConfig:
     model: str = DEFAULT_MODEL
-    num_train: int = 753  # every prompt not held out
+    num_train: int = 1021  # every prompt not held out
     num_heldout: int = 64
     max_new_tokens: int = 160
     batch_size: int = 32

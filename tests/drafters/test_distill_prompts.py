@@ -22,10 +22,11 @@ def test_no_distillation_prompt_is_an_evaluation_prompt() -> None:
     assert turns and not set(dd.build_prompts()) & turns
 
 
-def test_writing_prompts_come_after_the_earlier_set() -> None:
-    prompts, writing = dd.build_prompts(), _writing()
-    first = len(prompts) - len(writing)
-    assert first == 697 and set(prompts[first:]) == writing
+def test_writing_then_open_chat_prompts_come_after_the_earlier_sets() -> None:
+    prompts, writing, open_chat = dd.build_prompts(), _writing(), set(dd._open_chat_prompts())
+    assert len(prompts) == 697 + len(writing) + len(open_chat) == 1085
+    assert set(prompts[697 : 697 + len(writing)]) == writing and set(prompts[697 + len(writing) :]) == open_chat
     split = dd.split_prompts(633, 64)
-    assert not (set(split["heldout"]) | set(split["train"])) & writing
+    assert not (set(split["heldout"]) | set(split["train"])) & (writing | open_chat)
     assert dd.split_prompts(753, 64)["train"][:633] == split["train"]
+    assert dd.split_prompts(1021, 64)["train"][:753] == dd.split_prompts(753, 64)["train"]
