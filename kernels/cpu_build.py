@@ -4,7 +4,8 @@ The library is built for the machine it runs on (-march=native) and cached under
 $SPECDEC_HOME/kernels, keyed by the source and the headers beside it, the compiler and
 flags, and the CPU's feature flags, so a home shared between machines never loads code
 built for another CPU. Only a C++ compiler is needed (g++ by default, or $CXX): no
-torch headers, so a build takes a second or two. OpenMP comes from the libgomp torch already loaded.
+torch headers, so a build takes a second or two. OpenMP comes from the libgomp torch
+already loaded.
 """
 from __future__ import annotations
 

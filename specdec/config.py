@@ -117,4 +117,5 @@ class EngineConfig:
     def kv_cache_torch_dtype(self) -> torch.dtype:
         """The KV cache's storage dtype: kv_cache_dtype, or for "auto" the model dtype,
         fp16 in place of float32."""
-        return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or (torch.float16 if self.dtype == torch.float32 else self.dtype)
+        model_dtype = torch.float16 if self.dtype == torch.float32 else self.dtype
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or model_dtype

@@ -144,8 +144,9 @@ class CppFp16Linear(LinearBackend):
     """fp16 weights packed for specdec's own C++ kernel (kernels/linear_cpu.py), compiled
     on first use; activations and accumulation stay fp32. Batch invariant by
     construction: every output is one multiply-add chain in k order, whatever the rows.
-    On the 2-core x86 CPU it is 1.1-1.3x faster than fbgemm's fp16 at every row count
-    from 1 to 2048 (evals/bench_kernels.py)."""
+    On the 2-core x86 CPU it beats fbgemm's fp16 on every projection at 1 to 256 rows
+    (1.1-1.6x) and on the LM head from 16 rows; a 1-row LM head, bound by memory, is
+    ~10% slower (evals/bench_kernels.py)."""
 
     name, rel_tol, batch_invariant = "cpp-fp16", 1e-2, True
 
