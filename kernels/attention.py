@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels import attention_cpu, cpu_build
+from specdec.kernels import attention_cpu
 from specdec.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
@@ -29,11 +29,6 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"attention_backend {backend!r} is not one of {list(BACKENDS)}")
     if backend == "cpp":
         attention_cpu.load()
-
-
-def cpp_available() -> bool:
-    """Whether the C++ kernel builds and loads here (tried once per process)."""
-    return cpu_build.builds("paged_attention", "the torch reference attention (slower)")
 
 
 def store_kv(
@@ -66,4 +61,4 @@ def paged_attention(
 
 
 def _use_cpp(backend: str) -> bool:
-    return backend == "cpp" or (backend == "auto" and cpp_available())
+    return backend == "cpp" or (backend == "auto" and attention_cpu.builds())

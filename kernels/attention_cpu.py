@@ -64,6 +64,12 @@ def load() -> None:
     cpu_build.load(_LIBRARY)
 
 
+def builds() -> bool:
+    """Whether the kernel builds and loads here (tried once per process; if not, one
+    warning says the torch reference is used instead)."""
+    return cpu_build.builds(_LIBRARY, "the torch reference attention (slower)")
+
+
 def paged_attention_cpu(
     query: torch.Tensor,  # [T, Hq, D] float32
     kv: PagedKV,

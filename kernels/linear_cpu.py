@@ -19,9 +19,10 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, c
              ctypes.c_void_p, ctypes.c_int32]
 
 
-def load() -> None:
-    """Build (first time on this machine) and load the kernel; KernelBuildError if it cannot."""
-    cpu_build.load(_LIBRARY)
+def builds() -> bool:
+    """Whether the kernel builds and loads here (tried once per process; if not, one
+    warning says fbgemm's fp16 linear is used instead)."""
+    return cpu_build.builds(_LIBRARY, "fbgemm's fp16 linear")
 
 
 def pack_fp16(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N / 16), K, 16] fp16

@@ -14,6 +14,7 @@
 // is tested against.
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "lanes.h"
@@ -294,17 +295,29 @@ void score_keys(const float* q, const T* const* k, int64_t begin, int64_t end, f
   }
 }
 
+// f(n, first, limit) for [0, count) in batches of kMost, then the rest as one batch: n is
+// the batch size as a std::integral_constant (the kernels size register arrays by it), and
+// only the first batch is passed `limit` (it does the prefetching).
+template <int64_t kMost, typename F>
+void in_batches(int64_t count, int64_t limit, F f) {
+  int64_t first = 0;
+  for (; first + kMost <= count; first += kMost, limit = 0)
+    f(std::integral_constant<int64_t, kMost>{}, first, limit);
+  if constexpr (kMost > 1) {
+    if (first < count)
+      in_batches<kMost - 1>(count - first, limit, [&](auto n, int64_t i, int64_t l) { f(n, first + i, l); });
+  }
+}
+
 // score_keys for `count` heads (q: [count, kChunks * kLanes]), as many at a time as the
 // registers hold; the first batch of heads prefetches up to `limit`.
 template <int64_t kChunks, typename T>
 void score_heads(const float* q, const T* const* k, int64_t begin, int64_t end, float scale, float* const* scores,
                  int64_t count, int64_t limit) {
   constexpr int64_t kMost = kChunks >= 8 ? 1 : (kChunks >= 5 ? 2 : 3);
-  int64_t h = 0;
-  for (; h + kMost <= count; h += kMost, limit = 0)
-    score_keys<kChunks, kMost, T>(q + h * kChunks * kLanes, k, begin, end, scale, scores + h, limit);
-  if (count - h == 2) score_keys<kChunks, 2, T>(q + h * kChunks * kLanes, k, begin, end, scale, scores + h, limit);
-  if (count - h == 1) score_keys<kChunks, 1, T>(q + h * kChunks * kLanes, k, begin, end, scale, scores + h, limit);
+  in_batches<kMost>(count, limit, [&](auto n, int64_t h, int64_t l) {
+    score_keys<kChunks, decltype(n)::value, T>(q + h * kChunks * kLanes, k, begin, end, scale, scores + h, l);
+  });
 }
 
 // acc[p] += sum_j weights[p][j] * v[j] for j in [begin, end) and kHeads (row, head)
@@ -334,12 +347,9 @@ template <int64_t kChunks, typename T>
 void mix_pairs(const float* const* weights, const T* const* v, int64_t begin, int64_t end, float* const* acc,
                int64_t count, int64_t limit) {
   constexpr int64_t kMost = kChunks >= 8 ? 2 : (kChunks >= 5 ? 3 : 4);
-  int64_t p = 0;
-  for (; p + kMost <= count; p += kMost, limit = 0)
-    mix_keys<kChunks, kMost, T>(weights + p, v, begin, end, acc + p, limit);
-  if (count - p == 3) mix_keys<kChunks, 3, T>(weights + p, v, begin, end, acc + p, limit);
-  if (count - p == 2) mix_keys<kChunks, 2, T>(weights + p, v, begin, end, acc + p, limit);
-  if (count - p == 1) mix_keys<kChunks, 1, T>(weights + p, v, begin, end, acc + p, limit);
+  in_batches<kMost>(count, limit, [&](auto n, int64_t p, int64_t l) {
+    mix_keys<kChunks, decltype(n)::value, T>(weights + p, v, begin, end, acc + p, l);
+  });
 }
 
 // Scores of shared keys [t, t_end) for every row and head of the group; each row's first
