@@ -253,7 +253,7 @@ def test_triton_causal(i):
 
 
 @pytest.mark.parametrize("i", range(len(TRITON_SHAPES)), ids=SHAPE_IDS)
-def test_tritonrandom_trees(i):
+def test_triton_random_trees(i):
     d, hq, hkv, block_size = TRITON_SHAPES[i]
     gen = torch.Generator().manual_seed(100 + i)  # a different forest for every shape
     specs = [(13, 7), (0, 1), (21, 5), (6, 9), (45, 17)]
