@@ -142,7 +142,7 @@ def bench_concurrency(args: argparse.Namespace, runners: dict[str, Any]) -> list
     and ignores EOS, so a wave ends together). Level 1 is the requests one after another,
     the batch-1 baseline of the same work. Methods alternate per level, and the whole
     sweep repeats `--rounds` times; a row sums its rounds."""
-    methods = [m for m in args.methods if isinstance(runners[m], LLM)]
+    methods = _engine_methods(args, runners)
     prompts = _workload(args, runners[methods[0]], max(args.concurrency))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     totals: dict[tuple[int, str], dict[str, Any]] = {}
@@ -174,7 +174,7 @@ def bench_concurrency(args: argparse.Namespace, runners: dict[str, Any]) -> list
 def bench_ttft(args: argparse.Namespace, runners: dict[str, Any]) -> list[dict[str, Any]]:
     """Time to the first token (prefill plus one sampled token) of one prompt of each
     length in --ttft-lens, methods alternating, --rounds times; min and median."""
-    methods = [m for m in args.methods if isinstance(runners[m], LLM)]
+    methods = _engine_methods(args, runners)
     llm = runners[methods[0]]
     text = " ".join(load_prompts("summarization", 64) + load_prompts("rag", 64))
     ids = llm.get_tokenizer().encode(text)
@@ -192,6 +192,11 @@ def bench_ttft(args: argparse.Namespace, runners: dict[str, Any]) -> list[dict[s
         plain = seconds.get((r["prompt_tokens"], "plain"))
         r["vs_plain"] = min(plain) * 1e3 / r["min_ms"] if plain else float("nan")
     return results
+
+
+def _engine_methods(args: argparse.Namespace, runners: dict[str, Any]) -> list[str]:
+    """The methods run by our engine (not the transformers baseline)."""
+    return [m for m in args.methods if isinstance(runners[m], LLM)]
 
 
 def _workload(args: argparse.Namespace, llm: LLM, n: int) -> list[list[int]]:
