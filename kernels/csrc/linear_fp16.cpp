@@ -44,7 +44,8 @@ void block(const float* x, int64_t K, const Half* w, float* out, int64_t N, cons
     Lanes weight[C];
     for (int c = 0; c < C; ++c) {
       const Half* row = w + (c * K + k) * kLanes;
-      if (k + kAheadK < K) specdec::prefetch(row + kAheadK * kLanes, kLanes * sizeof(Half));
+      // Past the end of this panel, the same tile of the next one (never faults).
+      specdec::prefetch(row + (k + kAheadK < K ? kAheadK : kAheadK + (C - 1) * K) * kLanes, kLanes * sizeof(Half));
       weight[c] = load(row);
     }
     for (int r = 0; r < R; ++r) {
