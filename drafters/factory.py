@@ -21,7 +21,7 @@ def build_drafter(engine: LLMEngine) -> Drafter:
 
         return DraftModelDrafter.from_engine(engine)
     if spec.method == "medusa":
-        from specdec.drafters.medusa import MedusaDrafter
+        from specdec.drafters.medusa import build_medusa
 
-        return MedusaDrafter.from_engine(engine)
+        return build_medusa(engine)
     raise ValueError(f"unknown speculative method {spec.method!r}")

@@ -4,6 +4,10 @@ Head i maps the hidden state h that produced the last committed token to
 h + SiLU(W_i h + b_i), read through the target's own LM head: a guess for the token
 i + 1 places after the last committed one. Top-1 per head gives a chain; top-k per head
 arranged by tree choices gives a static tree.
+
+Heads whose medusa_config.json says `"head_type": "recurrent"` are recurrent Medusa heads
+instead (recurrent_heads.py, drafted by recurrent_drafter.py): each guess also reads the
+tokens guessed before it.
 """
 from __future__ import annotations
 
@@ -15,12 +19,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from specdec.drafters import recurrent_heads
 from specdec.drafters.base import Draft, Drafter, DraftRequest
+from specdec.drafters.recurrent_drafter import RecurrentDrafter
 from specdec.drafters.tree import DEFAULT_CHOICES, Choice, DraftTree
 from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
 
 if TYPE_CHECKING:
     from specdec.engine import LLMEngine
+    from specdec.models import LlamaForCausalLM
 
 SHIPPED = Path(__file__).parent / "weights"
 
@@ -57,6 +64,31 @@ def load_heads(path: Path, lm_head: torch.Tensor, compute_logits: Callable[[torc
     return MedusaHeads(weights, biases, compute_logits)
 
 
+def _recurrent(engine: LLMEngine, path: Path, choices: list[Choice]) -> Drafter:
+    model = engine.model
+    heads, vocab = recurrent_heads.load(path, model.embed_tokens.dtype)
+    if heads.mix.in_features != 2 * model.embed_tokens.shape[1]:
+        raise ValueError(f"recurrent Medusa heads in {path} have hidden size {heads.mix.in_features // 2}, "
+                         f"the target has {model.embed_tokens.shape[1]}")
+    heads.use(model.linear)
+    if vocab is None:
+        return RecurrentDrafter(heads, model.embed_tokens, model.compute_logits, choices)
+    if int(vocab.max()) >= model.embed_tokens.shape[0] or int(vocab.min()) < 0:
+        raise ValueError(f"the draft vocabulary in {path} has token ids outside the target's "
+                         f"[0, {model.embed_tokens.shape[0]})")
+    return RecurrentDrafter(heads, model.embed_tokens, _lm_head_over(model, vocab), choices, vocab)
+
+
+def _lm_head_over(model: LlamaForCausalLM, vocab: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The target's LM head over the rows `vocab` only ([N, H] -> [N, Vd] float32), on the
+    target's linear backend."""
+    weight = model.lm_head_weight[vocab]  # [Vd, H]
+    if model.linear is None:
+        return lambda hidden: F.linear(hidden, weight).float()
+    backend, packed = model.linear, model.linear.prepare(weight)
+    return lambda hidden: backend.apply(hidden, packed)
+
+
 def resolve_heads_dir(name: str | None) -> Path:
     path = Path(name) if name else SHIPPED / "smollm2-135m-medusa"
     if not (path / "medusa_config.json").is_file() and (SHIPPED / str(name) / "medusa_config.json").is_file():
@@ -72,21 +104,23 @@ def _measured_choices(path: Path) -> list[list[int]]:
     return choices
 
 
+def build_medusa(engine: LLMEngine) -> Drafter:
+    """The drafter of `method: "medusa"`: Medusa-1 heads, or recurrent ones when the
+    heads' medusa_config.json says `"head_type": "recurrent"` (recurrent_heads.py)."""
+    spec = engine.config.speculative_config
+    assert spec is not None
+    path = resolve_heads_dir(spec.model)
+    choices = [tuple(c) for c in spec.tree_choices or _measured_choices(path)] or DEFAULT_CHOICES
+    if json.loads((path / "medusa_config.json").read_text()).get("head_type") == recurrent_heads.HEAD_TYPE:
+        return _recurrent(engine, path, choices)
+    return MedusaDrafter(load_heads(path, engine.model.lm_head_weight, engine.model.compute_logits), choices)
+
+
 class MedusaDrafter(Drafter):
-    def __init__(self, heads: MedusaHeads, choices: list[Choice], top_k: int) -> None:
+    def __init__(self, heads: MedusaHeads, choices: list[Choice]) -> None:
         self.heads = heads
         self.choices = choices
-        self.top_k = top_k
-
-    @classmethod
-    def from_engine(cls, engine: LLMEngine) -> MedusaDrafter:
-        spec = engine.config.speculative_config
-        assert spec is not None
-        path = resolve_heads_dir(spec.model)
-        heads = load_heads(path, engine.model.lm_head_weight, engine.model.compute_logits)
-        choices = [tuple(c) for c in spec.tree_choices or _measured_choices(path)] or DEFAULT_CHOICES
-        top_k = 1 + max((max(c) for c in choices if c), default=0)
-        return cls(heads, choices, top_k)
+        self.top_k = 1 + max((max(c) for c in choices if c), default=0)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:

@@ -99,6 +99,14 @@ def chain_stats(correct: list[torch.Tensor], ks: tuple[int, ...]) -> dict[str, f
     return out
 
 
+def optimize(opt: torch.optim.Optimizer, params: list[torch.Tensor], loss: torch.Tensor) -> None:
+    """One optimizer step on `loss`, the gradient clipped to norm 1."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
 def setup_threads(threads: int) -> None:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -217,10 +225,7 @@ def train(draft, train_recs: list[dict], args: argparse.Namespace) -> None:
             hidden = draft_hidden(draft, batch)
             log_q, column = sampled_log_probs(hidden, embed, top_idx, args.negatives)
         loss = soft_cross_entropy(log_q, column, top_val, top_idx)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimize(opt, params, loss)
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}")
     draft.eval()

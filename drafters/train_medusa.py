@@ -29,6 +29,7 @@ from specdec.drafters.tree import Choice
 from specdec.drafters.train_draft import (
     chain_stats,
     lr_at,
+    optimize,
     sampled_log_probs,
     setup_threads,
     soft_cross_entropy,
@@ -110,10 +111,7 @@ def train(model: MedusaHeads, data: FlatData, embed: torch.Tensor,
             losses.append(soft_cross_entropy(log_q[i * n:(i + 1) * n], column,
                                              data.top_val[fut, :kk], data.top_idx[fut, :kk]))
         loss = torch.stack(losses).sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimize(opt, list(model.parameters()), loss)
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}", per_head=" ".join(f"{x.item():.2f}" for x in losses))
 

@@ -30,6 +30,7 @@ from specdec.model_registry import DEFAULT_MODEL  # noqa: E402
 
 DRAFT_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-draft"
 MEDUSA_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-medusa"
+RECURRENT_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-medusa-recurrent"
 PRESETS: dict[str, dict[str, Any] | None] = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
@@ -43,7 +44,11 @@ PRESETS: dict[str, dict[str, Any] | None] = {
     "medusa-tree": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 24, "model": str(MEDUSA_DIR)},
     "medusa-tree4": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 4, "model": str(MEDUSA_DIR)},
     "medusa-tree64": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 64, "model": str(MEDUSA_DIR)},
+    "medusa-rec": {"method": "medusa", "num_speculative_tokens": 5, "model": str(RECURRENT_DIR)},
 }
+# Recurrent Medusa heads with static trees of n drafts: "medusa-rec-tree<n>".
+PRESETS.update({f"medusa-rec-tree{n}": {"method": "medusa", "num_speculative_tokens": 5, "num_tree_nodes": n,
+                                         "model": str(RECURRENT_DIR)} for n in (5, 8, 16, 24, 64)})
 # "<preset>-adaptive": the same drafter with adaptive speculation (k chosen per step, down to 0).
 PRESETS.update({f"{name}-adaptive": {**config, "adaptive": True} for name, config in PRESETS.items() if config})
 ENGINE_OPTIONS = {"attention": "attention_backend", "kv": "kv_cache_dtype", "linear": "linear_backend"}

@@ -30,3 +30,10 @@ def tiny_medusa_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):  
     from tests.fixtures import make_medusa_heads
 
     return make_medusa_heads(tmp_path_factory.mktemp("tiny-medusa"), tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_recurrent_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):  # type: ignore[no-untyped-def]
+    from tests.fixtures import make_recurrent_heads
+
+    return make_recurrent_heads(tmp_path_factory.mktemp("tiny-recurrent"), tiny_model_dir)

@@ -72,3 +72,22 @@ def make_medusa_heads(path: Path, model_dir: Path, num_heads: int = 3, seed: int
     save_file(tensors, str(path / "medusa_heads.safetensors"))
     (path / "medusa_config.json").write_text(json.dumps({"num_heads": num_heads, "hidden_size": hidden}))
     return path
+
+
+def make_recurrent_heads(path: Path, model_dir: Path, num_heads: int = 3, seed: int = 0,
+                         tree_choices: list[list[int]] | None = None) -> Path:
+    """Random recurrent Medusa heads for a tiny checkpoint (drafters/recurrent_heads.py),
+    drafting from every other token of the vocabulary."""
+    import json
+
+    from specdec.drafters import recurrent_heads
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden = config["hidden_size"]
+    with torch.random.fork_rng():  # seeded, without touching the caller's RNG
+        torch.manual_seed(seed)
+        model = recurrent_heads.RecurrentHeads(hidden, 2 * hidden, num_heads)
+        torch.nn.init.normal_(model.out.weight, std=0.2)  # zero-initialised for training
+    vocab = torch.arange(0, config["vocab_size"], 2)
+    recurrent_heads.save(model, path, {"tree_choices": tree_choices or []}, vocab)
+    return path

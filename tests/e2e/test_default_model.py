@@ -25,6 +25,7 @@ CHATS = [
 ]
 MAX_TOKENS = 64
 SHIPPED_DRAFT = Path(__file__).parents[2] / "drafters" / "weights" / "smollm2-135m-draft"
+SHIPPED_RECURRENT = Path(__file__).parents[2] / "drafters" / "weights" / "smollm2-135m-medusa-recurrent"
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,9 @@ CONFIGS = {
                    "num_tree_nodes": 12},
     "medusa": {"method": "medusa", "num_speculative_tokens": 4},
     "medusa_tree": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 24},
+    "medusa_recurrent": {"method": "medusa", "model": str(SHIPPED_RECURRENT), "num_speculative_tokens": 4},
+    "medusa_recurrent_tree": {"method": "medusa", "model": str(SHIPPED_RECURRENT), "num_speculative_tokens": 5,
+                              "num_tree_nodes": 24},
 }
 
 

@@ -63,3 +63,47 @@ def test_draft_model_tree_is_lossless(tiny_model_dir, tiny_draft_dir) -> None:  
     assert_all_blocks_free(tree)
     bm = tree.engine.drafter.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # the drafter's own pool is clean too
+
+
+def recurrent(tiny_recurrent_dir, **extra: object) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    return {"method": "medusa", "num_speculative_tokens": 3, "model": str(tiny_recurrent_dir), **extra}
+
+
+def test_recurrent_heads_chain_and_tree_are_lossless(tiny_model_dir, tiny_recurrent_dir) -> None:  # type: ignore[no-untyped-def]
+    plain = LLM(str(tiny_model_dir), max_model_len=256)
+    chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=recurrent(tiny_recurrent_dir))
+    tree = LLM(str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=64,
+               speculative_config=recurrent(tiny_recurrent_dir, num_tree_nodes=10,
+                                            tree_choices=[[0], [1], [0, 0], [2], [0, 1], [1, 0], [0, 0, 0], [1, 1],
+                                                          [0, 0, 1], [2, 0]]))
+    for seed in range(4):
+        prompts = random_prompts(seed + 40, 4)
+        expected = token_ids(plain.generate(prompts, greedy()))
+        assert token_ids(chain.generate(prompts, greedy())) == expected
+        assert token_ids(tree.generate(prompts, greedy())) == expected
+    for llm in (chain, tree):
+        assert llm.get_metrics()["num_accepted_tokens"] > 0
+        assert_all_blocks_free(llm)
+
+
+def test_recurrent_chain_as_tree_equals_chain(tiny_model_dir, tiny_recurrent_dir) -> None:  # type: ignore[no-untyped-def]
+    chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=recurrent(tiny_recurrent_dir))
+    as_tree = LLM(str(tiny_model_dir), max_model_len=256,
+                  speculative_config=recurrent(tiny_recurrent_dir, num_tree_nodes=3,
+                                               tree_choices=[[0], [0, 0], [0, 0, 0]]))
+    prompts = random_prompts(6, 4)
+    assert token_ids(as_tree.generate(prompts, greedy())) == token_ids(chain.generate(prompts, greedy()))
+    a, b = chain.get_metrics(), as_tree.get_metrics()
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"):
+        assert a[key] == b[key]
+
+
+def test_recurrent_heads_sample_and_free_every_block(tiny_model_dir, tiny_recurrent_dir) -> None:  # type: ignore[no-untyped-def]
+    from specdec import SamplingParams
+
+    chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=recurrent(tiny_recurrent_dir))
+    params = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=24, ignore_eos=True)
+    outs = chain.generate(random_prompts(50, 4), params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 4
+    assert chain.get_metrics()["num_draft_tokens"] > 0
+    assert_all_blocks_free(chain)
