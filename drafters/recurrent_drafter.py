@@ -111,11 +111,15 @@ class RecurrentDrafter(Drafter):
         return [DraftTree([n.token for n in ns], [n.parent for n in ns]) for ns in nodes]
 
     def _plan(self, request: DraftRequest) -> list[Choice]:
-        """The request's choices: the best max_nodes within its depth, prefix-closed
-        (a choice's frequency never exceeds its parent's) and parents first."""
-        depth = self._depth(request)
-        kept = [c for c in self.choices if len(c) <= depth][: request.max_nodes]
-        return sorted(kept, key=len)
+        """The request's choices, parents first: the first max_nodes (in priority order)
+        within its depth whose parent is kept too."""
+        kept: list[Choice] = []
+        for choice in self.choices:
+            if len(kept) == request.max_nodes:
+                break
+            if len(choice) <= self._depth(request) and (len(choice) == 1 or choice[:-1] in kept):
+                kept.append(choice)
+        return sorted(kept, key=len)  # stable: priority order within a depth
 
     def _grow(self, nodes: list[list[_Node]], plans: list[list[Choice]], depth: int) -> None:
         """Add every request's nodes at `depth`: run their parents, then pick by rank."""

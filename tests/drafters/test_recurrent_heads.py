@@ -154,3 +154,9 @@ def test_training_learns_a_deterministic_continuation() -> None:
     valid = data.future[0] >= 0
     assert ranks.shape == (len(data), 2)
     assert (ranks[valid, 0] == 0).float().mean() > 0.9
+
+
+def test_choices_without_their_parent_are_dropped() -> None:
+    d = drafter([(0,), (1, 0), (0, 0), (1,), (0, 0, 0)])  # (1, 0) comes before its parent
+    tree = d.propose([request(0, max_nodes=5)])[0].tree
+    assert tree is not None and tree.num_drafts == 4 and tree.depths == [0, 1, 1, 2, 3]
