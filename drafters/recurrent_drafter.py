@@ -66,7 +66,7 @@ class RecurrentDrafter(Drafter):
         return column if self.vocab is None else self.vocab[column]
 
     def _depth(self, request: DraftRequest) -> int:
-        return min(request.num_tokens, self.heads.num_heads)
+        return min(request.num_tokens, self.heads.num_steps)
 
     # ---- chains ---------------------------------------------------------------------
 

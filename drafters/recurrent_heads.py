@@ -47,10 +47,6 @@ class RecurrentHeads(torch.nn.Module):
         self.num_steps = num_steps  # the depth it was trained to unroll
         self._packed: tuple[LinearBackend, Any, Any] | None = None  # see `use`
 
-    @property
-    def num_heads(self) -> int:
-        return self.num_steps
-
     def use(self, backend: LinearBackend | None) -> None:
         """Run the two projections on `backend` (the target's: a drafting step reads
         fp16 weights, not fp32), or on F.linear (None, as in training)."""

@@ -196,15 +196,18 @@ def load_saved(out: Path) -> MedusaHeads:
     return model.eval()
 
 
-def target_embedding(model_name: str) -> torch.Tensor:
-    """The target's (tied) LM head matrix, read straight from its safetensors."""
+def target_tensor(model_name: str, *keys: str) -> torch.Tensor:
+    """The first of `keys` in the target's model.safetensors, as float32."""
     from safetensors import safe_open
 
-    path = resolve_model(model_name)
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        keys = set(f.keys())
-        key = "lm_head.weight" if "lm_head.weight" in keys else "model.embed_tokens.weight"
-        return f.get_tensor(key).float()
+    with safe_open(str(resolve_model(model_name) / "model.safetensors"), framework="pt") as f:
+        present = set(f.keys())
+        return f.get_tensor(next(k for k in keys if k in present)).float()
+
+
+def target_embedding(model_name: str) -> torch.Tensor:
+    """The target's (tied) LM head matrix, read straight from its safetensors."""
+    return target_tensor(model_name, "lm_head.weight", "model.embed_tokens.weight")
 
 
 def main() -> None:

@@ -29,7 +29,12 @@ from specdec.drafters.train_draft import (
     setup_threads,
     soft_cross_entropy,
 )
-from specdec.drafters.train_medusa import FlatData, evaluate, target_embedding
+from specdec.drafters.train_medusa import (
+    FlatData,
+    evaluate,
+    target_embedding,
+    target_tensor,
+)
 
 
 def path_embeds(data: FlatData, embed: torch.Tensor, rows: torch.Tensor,
@@ -96,16 +101,6 @@ def step_ranks(model: RecurrentHeads, data: FlatData, embed: torch.Tensor, top_k
     return ranks
 
 
-def input_embedding(model_name: str) -> torch.Tensor:
-    """The target's input embedding matrix [V, H] (its LM head when they are tied)."""
-    from safetensors import safe_open
-
-    from specdec.model_registry import resolve_model
-
-    with safe_open(str(resolve_model(model_name) / "model.safetensors"), framework="pt") as f:
-        return f.get_tensor("model.embed_tokens.weight").float()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     dd.add_cli_args(parser)
@@ -127,7 +122,7 @@ def main() -> None:
     setup_threads(args.threads)
     cfg = dd.config_from_args(args)
     train_recs, heldout_recs = dd.ensure_dataset(cfg)
-    lm_head, embed = target_embedding(cfg.model), input_embedding(cfg.model)
+    lm_head, embed = target_embedding(cfg.model), target_tensor(cfg.model, "model.embed_tokens.weight")
     train_data, heldout = FlatData(train_recs, args.num_heads), FlatData(heldout_recs, args.num_heads)
     print(f"{len(train_data)} train / {len(heldout)} held-out positions")
     if not torch.equal(lm_head, embed):

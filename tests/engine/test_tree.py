@@ -1,5 +1,7 @@
-"""Tree speculation through the engine: Medusa chains and trees are lossless."""
+"""Tree speculation through the engine: Medusa (Medusa-1 and recurrent heads) and draft-model chains and trees are lossless."""
 from __future__ import annotations
+
+import pytest
 
 from specdec import LLM
 from tests.engine.test_generate import assert_all_blocks_free, token_ids
@@ -7,8 +9,9 @@ from tests.helpers import block_bytes
 from tests.engine.test_speculative import greedy, random_prompts
 
 
-def medusa(tiny_medusa_dir, **extra: object) -> dict:  # type: ignore[no-untyped-def, type-arg]
-    return {"method": "medusa", "num_speculative_tokens": 3, "model": str(tiny_medusa_dir), **extra}
+def medusa(heads_dir, **extra: object) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    """A method: medusa config for Medusa-1 or recurrent heads in heads_dir."""
+    return {"method": "medusa", "num_speculative_tokens": 3, "model": str(heads_dir), **extra}
 
 
 def test_medusa_chain_and_tree_are_lossless(tiny_model_dir, tiny_medusa_dir) -> None:  # type: ignore[no-untyped-def]
@@ -28,12 +31,14 @@ def test_medusa_chain_and_tree_are_lossless(tiny_model_dir, tiny_medusa_dir) -> 
         assert_all_blocks_free(llm)
 
 
-def test_chain_as_tree_equals_chain(tiny_model_dir, tiny_medusa_dir) -> None:  # type: ignore[no-untyped-def]
-    chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(tiny_medusa_dir))
+@pytest.mark.parametrize("heads, seed", [("tiny_medusa_dir", 5), ("tiny_recurrent_dir", 6)])
+def test_chain_as_tree_equals_chain(tiny_model_dir, request, heads: str, seed: int) -> None:  # type: ignore[no-untyped-def]
+    heads_dir = request.getfixturevalue(heads)
+    chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(heads_dir))
     as_tree = LLM(str(tiny_model_dir), max_model_len=256,
-                  speculative_config=medusa(tiny_medusa_dir, num_tree_nodes=3, tree_choices=[[0], [0, 0], [0, 0, 0]]))
+                  speculative_config=medusa(heads_dir, num_tree_nodes=3, tree_choices=[[0], [0, 0], [0, 0, 0]]))
     # Greedy here; tests/test_tree_rejection.py checks the stochastic chain equivalence.
-    prompts = random_prompts(5, 4)
+    prompts = random_prompts(seed, 4)
     assert token_ids(as_tree.generate(prompts, greedy())) == token_ids(chain.generate(prompts, greedy()))
     a, b = chain.get_metrics(), as_tree.get_metrics()
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"):
@@ -65,15 +70,11 @@ def test_draft_model_tree_is_lossless(tiny_model_dir, tiny_draft_dir) -> None:  
     assert bm.num_free_blocks == bm.num_blocks  # the drafter's own pool is clean too
 
 
-def recurrent(tiny_recurrent_dir, **extra: object) -> dict:  # type: ignore[no-untyped-def, type-arg]
-    return {"method": "medusa", "num_speculative_tokens": 3, "model": str(tiny_recurrent_dir), **extra}
-
-
 def test_recurrent_heads_chain_and_tree_are_lossless(tiny_model_dir, tiny_recurrent_dir) -> None:  # type: ignore[no-untyped-def]
     plain = LLM(str(tiny_model_dir), max_model_len=256)
-    chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=recurrent(tiny_recurrent_dir))
+    chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(tiny_recurrent_dir))
     tree = LLM(str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=64,
-               speculative_config=recurrent(tiny_recurrent_dir, num_tree_nodes=10,
+               speculative_config=medusa(tiny_recurrent_dir, num_tree_nodes=10,
                                             tree_choices=[[0], [1], [0, 0], [2], [0, 1], [1, 0], [0, 0, 0], [1, 1],
                                                           [0, 0, 1], [2, 0]]))
     for seed in range(4):
@@ -86,22 +87,10 @@ def test_recurrent_heads_chain_and_tree_are_lossless(tiny_model_dir, tiny_recurr
         assert_all_blocks_free(llm)
 
 
-def test_recurrent_chain_as_tree_equals_chain(tiny_model_dir, tiny_recurrent_dir) -> None:  # type: ignore[no-untyped-def]
-    chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=recurrent(tiny_recurrent_dir))
-    as_tree = LLM(str(tiny_model_dir), max_model_len=256,
-                  speculative_config=recurrent(tiny_recurrent_dir, num_tree_nodes=3,
-                                               tree_choices=[[0], [0, 0], [0, 0, 0]]))
-    prompts = random_prompts(6, 4)
-    assert token_ids(as_tree.generate(prompts, greedy())) == token_ids(chain.generate(prompts, greedy()))
-    a, b = chain.get_metrics(), as_tree.get_metrics()
-    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"):
-        assert a[key] == b[key]
-
-
 def test_recurrent_heads_sample_and_free_every_block(tiny_model_dir, tiny_recurrent_dir) -> None:  # type: ignore[no-untyped-def]
     from specdec import SamplingParams
 
-    chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=recurrent(tiny_recurrent_dir))
+    chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(tiny_recurrent_dir))
     params = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=24, ignore_eos=True)
     outs = chain.generate(random_prompts(50, 4), params)
     assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 4
