@@ -314,6 +314,9 @@ class DistillConfig:
     batch_size: int = 32
     temperature: float = 0.0  # 0 = greedy, what the drafters are mostly used with
     topk: int = 32  # target logits kept per position (enough for KL; the tail is tiny)
+    # Open-chat training prompts written by the target itself (self_instruct.py), and
+    # num_heldout more of them for the held-out split.
+    num_self_instruct: int = 0
     seed: int = PROMPT_SEED
     # bf16 matmuls are ~5x faster on CPU; the small drift only adds label noise to the
     # training split. The held-out split runs in fp32, exactly as the engine's target,
@@ -322,8 +325,9 @@ class DistillConfig:
     heldout_dtype: str = "float32"
 
     def tag(self) -> str:
-        return (f"n{self.num_train}-h{self.num_heldout}-t{self.max_new_tokens}"
-                f"-T{self.temperature:g}-k{self.topk}-{self.train_dtype}")
+        tag = (f"n{self.num_train}-h{self.num_heldout}-t{self.max_new_tokens}"
+               f"-T{self.temperature:g}-k{self.topk}-{self.train_dtype}")
+        return tag + (f"-s{self.num_self_instruct}" if self.num_self_instruct else "")
 
 
 def distill_dir(cfg: DistillConfig) -> Path:
@@ -416,6 +420,8 @@ def build_dataset(cfg: DistillConfig, progress: bool = True) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     splits = split_prompts(cfg.num_train, cfg.num_heldout, cfg.seed)
+    if cfg.num_self_instruct:
+        add_self_instruct(splits, cfg, out_dir / "self_instruct.json")
     for split, prompts in splits.items():
         batches = _batches(prompts, cfg.batch_size)
         todo = [i for i in range(len(batches)) if not _shard_path(out_dir, split, i).exists()]
@@ -430,6 +436,16 @@ def build_dataset(cfg: DistillConfig, progress: bool = True) -> Path:
             torch.save(records, tmp)
             tmp.rename(_shard_path(out_dir, split, i))  # atomic: a shard is whole or absent
     return out_dir
+
+
+def add_self_instruct(splits: dict[str, list[str]], cfg: DistillConfig, path: Path) -> None:
+    """Append the target's own user prompts: num_heldout to held-out, the rest to train."""
+    from specdec.drafters.self_instruct import cached_prompts
+
+    count = cfg.num_self_instruct + cfg.num_heldout
+    prompts = cached_prompts(path, lambda: load_target(cfg.model, cfg.train_dtype), count, cfg.seed)
+    splits["heldout"] += prompts[:cfg.num_heldout]
+    splits["train"] += prompts[cfg.num_heldout:]
 
 
 # Prompts are length-sorted only within blocks of this many, so growing --num-train keeps
@@ -476,6 +492,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-batch-size", type=int, default=d.batch_size)
     parser.add_argument("--temperature", type=float, default=d.temperature)
     parser.add_argument("--topk", type=int, default=d.topk)
+    parser.add_argument("--num-self-instruct", type=int, default=d.num_self_instruct,
+                        help="extra training prompts written by the target itself (Magpie)")
     parser.add_argument("--train-dtype", default=d.train_dtype, choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads; 1 is much faster when other jobs share the cores")
@@ -486,6 +504,7 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         model=args.model, num_train=args.num_train, num_heldout=args.num_heldout,
         max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch_size,
         temperature=args.temperature, topk=args.topk, train_dtype=args.train_dtype,
+        num_self_instruct=args.num_self_instruct,
     )
 
 

@@ -64,7 +64,7 @@ def load_heads(path: Path, lm_head: torch.Tensor, compute_logits: Callable[[torc
     return MedusaHeads(weights, biases, compute_logits)
 
 
-def _recurrent(engine: LLMEngine, path: Path, choices: list[Choice]) -> Drafter:
+def _recurrent(engine: LLMEngine, path: Path, choices: list[Choice], dynamic: bool) -> Drafter:
     model = engine.model
     heads, vocab = recurrent_heads.load(path, model.embed_tokens.dtype)
     if heads.mix.in_features != 2 * model.embed_tokens.shape[1]:
@@ -72,11 +72,11 @@ def _recurrent(engine: LLMEngine, path: Path, choices: list[Choice]) -> Drafter:
                          f"the target has {model.embed_tokens.shape[1]}")
     heads.use(model.linear)
     if vocab is None:
-        return RecurrentDrafter(heads, model.embed_tokens, model.compute_logits, choices)
+        return RecurrentDrafter(heads, model.embed_tokens, model.compute_logits, choices, dynamic=dynamic)
     if int(vocab.max()) >= model.embed_tokens.shape[0] or int(vocab.min()) < 0:
         raise ValueError(f"the draft vocabulary in {path} has token ids outside the target's "
                          f"[0, {model.embed_tokens.shape[0]})")
-    return RecurrentDrafter(heads, model.embed_tokens, _lm_head_over(model, vocab), choices, vocab)
+    return RecurrentDrafter(heads, model.embed_tokens, _lm_head_over(model, vocab), choices, vocab, dynamic)
 
 
 def _lm_head_over(model: LlamaForCausalLM, vocab: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -106,13 +106,17 @@ def _measured_choices(path: Path) -> list[list[int]]:
 
 def build_medusa(engine: LLMEngine) -> Drafter:
     """The drafter of `method: "medusa"`: Medusa-1 heads, or recurrent ones when the
-    heads' medusa_config.json says `"head_type": "recurrent"` (recurrent_heads.py)."""
+    heads' medusa_config.json says `"head_type": "recurrent"` (recurrent_heads.py).
+
+    Medusa-1 trees are static (`tree_choices`). Recurrent heads draft EAGLE-2 dynamic
+    trees unless the speculative config gives `tree_choices`: their guesses follow
+    their own path, so the best nodes differ from step to step."""
     spec = engine.config.speculative_config
     assert spec is not None
     path = resolve_heads_dir(spec.model)
     choices = [tuple(c) for c in spec.tree_choices or _measured_choices(path)] or DEFAULT_CHOICES
     if json.loads((path / "medusa_config.json").read_text()).get("head_type") == recurrent_heads.HEAD_TYPE:
-        return _recurrent(engine, path, choices)
+        return _recurrent(engine, path, choices, dynamic=spec.tree_choices is None)
     return MedusaDrafter(load_heads(path, engine.model.lm_head_weight, engine.model.compute_logits), choices)
 
 

@@ -1,10 +1,15 @@
 """Drafts from recurrent Medusa heads (recurrent_heads.py): chains and static trees.
 
-A chain unrolls the block along its own guesses. A tree is a set of rank paths
-(`tree_choices`, best first, as for Medusa-1): the node (r1, ..., rd) holds the rank-rd
-token of the step run on its parent's path, so unlike Medusa-1 a node's token depends
-on its parent's token. The tree is built one depth at a time; each depth runs the block
-and the target's LM head once for every node with children, across the whole batch.
+A chain unrolls the block along its own guesses. A tree is built one depth at a time;
+each depth runs the block and the target's LM head once for every node it expands,
+across the whole batch. Trees come in two kinds:
+
+- static: a set of rank paths (`tree_choices`, best first, as for Medusa-1): the node
+  (r1, ..., rd) holds the rank-rd token of the step run on its parent's path, so unlike
+  Medusa-1 a node's token depends on its parent's token;
+- dynamic (EAGLE-2): each depth expands the few nodes of highest cumulative draft
+  log-probability, and the tree keeps the max_nodes best of all candidates. The heads
+  are trained toward the target's distribution, so their probabilities rank well.
 """
 from __future__ import annotations
 
@@ -15,9 +20,30 @@ import torch
 import torch.nn.functional as F
 from specdec.drafters.base import Draft, Drafter, DraftRequest
 from specdec.drafters.recurrent_heads import RecurrentHeads
-from specdec.drafters.tree import Choice, DraftTree
+from specdec.drafters.tree import Candidate, Choice, DraftTree, expand_layer
 
 from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
+
+
+DYNAMIC_WIDTH = 10  # nodes expanded per depth, and children considered per node (EAGLE-2's top-k)
+
+
+@dataclass
+class _Growth:
+    """One request's dynamic tree so far. Candidate k has id k + 1; id 0 is the root."""
+
+    root: int
+    depth: int  # the request's depth limit
+    width: int  # nodes expanded per depth and children kept per node
+    candidates: list[Candidate] = field(default_factory=list)
+    states: list[torch.Tensor] = field(default_factory=list)  # [H] each node's guessing state (root first)
+    frontier: list[int] = field(default_factory=lambda: [0])  # ids to expand at the next depth
+
+    def token(self, node: int) -> int:
+        return self.root if node == 0 else self.candidates[node - 1][1]
+
+    def score(self, node: int) -> float:
+        return 0.0 if node == 0 else self.candidates[node - 1][2]
 
 
 @dataclass
@@ -33,7 +59,7 @@ class _Node:
 class RecurrentDrafter(Drafter):
     def __init__(self, heads: RecurrentHeads, embedding: torch.Tensor,
                  compute_logits: Callable[[torch.Tensor], torch.Tensor], choices: Sequence[Choice],
-                 vocab: torch.Tensor | None = None) -> None:
+                 vocab: torch.Tensor | None = None, dynamic: bool = False) -> None:
         self.heads = heads
         self.embedding = embedding  # [V, H] the target's input embedding
         # The target's LM head restricted to the draft vocabulary: [N, H] -> [N, Vd] float32
@@ -41,6 +67,7 @@ class RecurrentDrafter(Drafter):
         self.vocab = vocab  # [Vd] int64 token id of each logit column; None: Vd = V, the identity
         self.choices = list(choices)
         self.top_k = 1 + max((max(c) for c in self.choices if c), default=0)
+        self.dynamic = dynamic  # trees: EAGLE-2 dynamic ones instead of `choices`
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -48,7 +75,8 @@ class RecurrentDrafter(Drafter):
         ready = [i for i, r in enumerate(requests) if r.hidden is not None]
         trees = [i for i in ready if requests[i].max_nodes]
         chains = [i for i in ready if not requests[i].max_nodes]
-        for i, tree in zip(trees, self._trees([requests[i] for i in trees])):
+        build = self._dynamic_trees if self.dynamic else self._trees
+        for i, tree in zip(trees, build([requests[i] for i in trees])):
             drafts[i] = Draft([], tree=tree)
         for i, draft in zip(chains, self._chains([requests[i] for i in chains])):
             drafts[i] = draft
@@ -65,8 +93,11 @@ class RecurrentDrafter(Drafter):
         """Token ids of draft-vocabulary columns (any shape)."""
         return column if self.vocab is None else self.vocab[column]
 
-    def _depth(self, request: DraftRequest) -> int:
-        return min(request.num_tokens, self.heads.num_steps)
+    @staticmethod
+    def _depth(request: DraftRequest) -> int:
+        # The one block unrolls to any depth (as ReDrafter's beams do), past the
+        # heads.num_steps it was trained on too; later guesses are just less often right.
+        return request.num_tokens
 
     # ---- chains ---------------------------------------------------------------------
 
@@ -109,6 +140,32 @@ class RecurrentDrafter(Drafter):
         for depth in range(1, 1 + max((max(map(len, p), default=0) for p in plans), default=0)):
             self._grow(nodes, plans, depth)
         return [DraftTree([n.token for n in ns], [n.parent for n in ns]) for ns in nodes]
+
+    def _dynamic_trees(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        growths = [_Growth(r.token_ids[-1], self._depth(r), min(DYNAMIC_WIDTH, r.max_nodes),
+                           states=[r.hidden]) for r in requests]  # type: ignore[list-item]
+        for depth in range(1, 1 + max((g.depth for g in growths), default=0)):
+            self._expand([g for g in growths if g.depth >= depth])
+        return [DraftTree.from_expansion(g.root, g.candidates, r.max_nodes) for g, r in zip(growths, requests)]
+
+    def _expand(self, growths: list[_Growth]) -> None:
+        """One depth of every growing tree: run its frontier, add each frontier node's
+        `width` best next tokens as candidates, and make the `width` best of those (by
+        cumulative log-prob) the next frontier."""
+        rows = [(g, node) for g in growths for node in g.frontier]
+        states, logits = self._advance(torch.stack([g.states[node] for g, node in rows]),
+                                       [g.token(node) for g, node in rows])
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, Vd]
+        start = 0
+        for g in growths:
+            end = start + len(g.frontier)
+            top = logprobs[start:end].topk(g.width, dim=-1)  # [F, width]
+            first = len(g.candidates) + 1
+            g.candidates += expand_layer(g.frontier, [g.score(n) for n in g.frontier],
+                                         self._token(top.indices), top.values)
+            g.states += [state for state in states[start:end] for _ in range(g.width)]
+            g.frontier = sorted(range(first, len(g.candidates) + 1), key=g.score, reverse=True)[:g.width]
+            start = end
 
     def _plan(self, request: DraftRequest) -> list[Choice]:
         """The request's choices, parents first: the first max_nodes (in priority order)

@@ -101,6 +101,17 @@ def step_ranks(model: RecurrentHeads, data: FlatData, embed: torch.Tensor, top_k
     return ranks
 
 
+def initial_heads(args: argparse.Namespace, hidden: int) -> RecurrentHeads:
+    """Fresh heads, or the --init ones in fp32 (their one block serves any depth)."""
+    if args.init is None:
+        return RecurrentHeads(hidden, args.width, args.num_heads)
+    model, _ = recurrent_heads.load(args.init)
+    if model.mix.out_features != args.width:
+        raise SystemExit(f"--init heads have width {model.mix.out_features}, not --width {args.width}")
+    model.num_steps = args.num_heads
+    return model.train()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     dd.add_cli_args(parser)
@@ -116,6 +127,8 @@ def main() -> None:
     parser.add_argument("--feature-weight", type=float, default=0.1, help="weight of the hidden-state term")
     parser.add_argument("--tree-nodes", type=int, default=64, help="draft nodes of the stored tree")
     parser.add_argument("--tree-top-k", type=int, default=10, help="ranks per step the tree may use")
+    parser.add_argument("--init", type=Path, default=None,
+                        help="continue from these recurrent heads (same width; any depth)")
     parser.add_argument("--vocab", type=int, default=8192,
                         help="draft vocabulary: the most generated tokens (0: the whole vocabulary)")
     args = parser.parse_args()
@@ -127,11 +140,12 @@ def main() -> None:
     print(f"{len(train_data)} train / {len(heldout)} held-out positions")
     if not torch.equal(lm_head, embed):
         raise SystemExit("recurrent heads need a target whose LM head is tied to its input embedding")
-    model = RecurrentHeads(embed.shape[1], args.width, args.num_heads)
+    model = initial_heads(args, embed.shape[1])
     t0 = time.time()
     train(model, train_data, embed, args)
     report = {"steps": args.steps, "train_minutes": round((time.time() - t0) / 60, 1),
-              "train_positions": len(train_data), "data": dd.distill_dir(cfg).name}
+              "train_positions": len(train_data), "data": dd.distill_dir(cfg).name,
+              "init": str(args.init) if args.init else None}
     meta = {"base_model": Path(cfg.model).name,
             "block": "s + W_out silu(W_in [s; embed(token)] + b_in) + b_out, from s = h; "
                      "the base model's (tied) LM head on each state"}

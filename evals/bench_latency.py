@@ -44,11 +44,13 @@ PRESETS: dict[str, dict[str, Any] | None] = {
     "medusa-tree": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 24, "model": str(MEDUSA_DIR)},
     "medusa-tree4": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 4, "model": str(MEDUSA_DIR)},
     "medusa-tree64": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 64, "model": str(MEDUSA_DIR)},
-    "medusa-rec": {"method": "medusa", "num_speculative_tokens": 5, "model": str(RECURRENT_DIR)},
 }
-# Recurrent Medusa heads with static trees of n drafts: "medusa-rec-tree<n>".
-PRESETS.update({f"medusa-rec-tree{n}": {"method": "medusa", "num_speculative_tokens": 5, "num_tree_nodes": n,
-                                         "model": str(RECURRENT_DIR)} for n in (5, 8, 16, 24, 64)})
+# Recurrent Medusa heads: chains of k drafts ("medusa-rec" is k=6, the depth they were
+# trained to) and static trees of n drafts up to depth 6 ("medusa-rec-tree<n>").
+PRESETS.update({f"medusa-rec{'' if k == 6 else f'-k{k}'}": {
+    "method": "medusa", "num_speculative_tokens": k, "model": str(RECURRENT_DIR)} for k in (5, 6, 8, 16)})
+PRESETS.update({f"medusa-rec-tree{n}": {"method": "medusa", "num_speculative_tokens": 6, "num_tree_nodes": n,
+                                         "model": str(RECURRENT_DIR)} for n in (6, 8, 16, 24, 64)})
 # "<preset>-adaptive": the same drafter with adaptive speculation (k chosen per step, down to 0).
 PRESETS.update({f"{name}-adaptive": {**config, "adaptive": True} for name, config in PRESETS.items() if config})
 ENGINE_OPTIONS = {"attention": "attention_backend", "kv": "kv_cache_dtype", "linear": "linear_backend"}

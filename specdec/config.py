@@ -29,7 +29,8 @@ class SpeculativeConfig:
     # num_speculative_tokens). The tree's depth is still at most num_speculative_tokens.
     num_tree_nodes: int = 0
     # Medusa static tree: paths of top-k ranks per head, e.g. [[0], [1], [0, 0]]
-    # (None: the default tree tuned for the shipped SmolLM2 heads).
+    # (None: Medusa-1 heads use the tree measured for them; recurrent heads draft
+    # EAGLE-2 dynamic trees).
     tree_choices: list[list[int]] | None = None
     # Choose each step's draft length per request (down to 0) from measured forward costs
     # and running acceptance, for the most committed tokens per second (specdec/adaptive.py).

@@ -30,3 +30,15 @@ def test_writing_then_open_chat_prompts_come_after_the_earlier_sets() -> None:
     assert not (set(split["heldout"]) | set(split["train"])) & (writing | open_chat)
     assert dd.split_prompts(753, 64)["train"][:633] == split["train"]
     assert dd.split_prompts(1021, 64)["train"][:753] == dd.split_prompts(753, 64)["train"]
+
+
+def test_self_instruct_prompts_extend_both_splits_and_the_tag(tmp_path: Path) -> None:
+    cfg = dd.DistillConfig(num_train=100, num_heldout=4, num_self_instruct=6)
+    path = tmp_path / "self_instruct.json"
+    drawn = [f"user message {i}" for i in range(10)]
+    path.write_text(json.dumps(drawn))
+    splits = dd.split_prompts(cfg.num_train, cfg.num_heldout)
+    dd.add_self_instruct(splits, cfg, path)
+    assert splits["heldout"][4:] == drawn[:4] and splits["train"][100:] == drawn[4:]
+    assert splits["train"][:100] == dd.split_prompts(100, 4)["train"]
+    assert cfg.tag().endswith("-s6") and not dd.DistillConfig(num_train=100, num_heldout=4).tag().endswith("-s6")

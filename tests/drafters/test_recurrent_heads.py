@@ -8,6 +8,7 @@ import pytest
 import torch
 from specdec.drafters import recurrent_heads
 from specdec.drafters.base import DraftRequest
+from specdec.drafters import recurrent_drafter as rcd
 from specdec.drafters.recurrent_drafter import RecurrentDrafter
 from specdec.drafters.recurrent_heads import RecurrentHeads
 
@@ -42,6 +43,16 @@ def ranked(d: RecurrentDrafter, hidden: torch.Tensor, path: list[int]) -> list[i
         state = d.heads.step(state, d.embedding[[token]])
     order = d.compute_logits(state)[0].argsort(descending=True)
     return (order if d.vocab is None else d.vocab[order]).tolist()
+
+
+def logprob(d: RecurrentDrafter, hidden: torch.Tensor, path: list[int], token: int) -> float:
+    """The drafter's log-prob of `token` after reading `path`, over the draft vocabulary."""
+    state = hidden[None]
+    for t in path:
+        state = d.heads.step(state, d.embedding[[t]])
+    logprobs = torch.log_softmax(d.compute_logits(state)[0].detach().float(), dim=-1)
+    column = token if d.vocab is None else int((d.vocab == token).nonzero())
+    return float(logprobs[column])
 
 
 @pytest.mark.parametrize("vocab", [None, torch.tensor([0, 3, 4, 7, 9, 12, 20, 21, 30, 39])])
@@ -89,6 +100,73 @@ def test_sampled_chain_draws_from_the_distribution_it_reports(vocab: torch.Tenso
     if vocab is not None:  # nothing off the draft vocabulary, and every token of it possible
         off = torch.ones(VOCAB, dtype=torch.bool).index_fill_(0, vocab, False)
         assert probs[off].sum() == 0 and counts[off].sum() == 0 and bool((probs[vocab] > 0).all())
+
+
+def test_chains_unroll_past_the_trained_depth() -> None:
+    d = drafter([(0,)], num_steps=2)
+    req = request(0, depth=5)
+    chain = d.propose([req])[0].token_ids
+    assert len(chain) == 5
+    assert chain == [ranked(d, req.hidden, [req.token_ids[-1]] + chain[:i])[0] for i in range(5)]  # type: ignore[arg-type]
+
+
+def test_dynamic_tree_keeps_the_best_cumulative_guesses() -> None:
+    d = drafter([(0,)], vocab=torch.tensor([0, 3, 4, 7, 9, 12, 20, 21, 30, 39]))
+    d.dynamic = True
+    req = request(0, depth=3, max_nodes=5)
+    tree = d.propose([req])[0].tree
+    assert tree is not None and tree.num_drafts == 5 and tree.max_depth <= 3
+    # Every node is one of its path's top-`width` next tokens, scored by cumulative
+    # log-prob; a node never outscores its parent, and the best depth-1 guess left out
+    # (every depth-1 candidate is generated) outscores no kept node.
+    score = {0: 0.0}
+    for node in range(1, tree.num_nodes):
+        path = [tree.token_ids[i] for i in tree.path_to(tree.parents[node])]
+        order = ranked(d, req.hidden, path)  # type: ignore[arg-type]
+        assert order.index(tree.token_ids[node]) < min(5, rcd.DYNAMIC_WIDTH)
+        score[node] = score[tree.parents[node]] + logprob(d, req.hidden, path, tree.token_ids[node])  # type: ignore[arg-type]
+        assert score[node] <= score[tree.parents[node]]
+    depth1 = [n for n in range(1, tree.num_nodes) if tree.parents[n] == 0]
+    best = ranked(d, req.hidden, [req.token_ids[-1]])  # type: ignore[arg-type]
+    assert [tree.token_ids[n] for n in depth1] == best[:len(depth1)]
+    left_out = logprob(d, req.hidden, [req.token_ids[-1]], best[len(depth1)])  # type: ignore[arg-type]
+    assert len(depth1) < 5 and all(score[n] >= left_out for n in range(1, tree.num_nodes))
+    alone = [d.propose([request(s, depth=3, max_nodes=5)])[0].tree for s in range(2)]
+    batched = [x.tree for x in d.propose([request(0, depth=3, max_nodes=5), request(1, depth=3, max_nodes=5)])]
+    assert [t.token_ids for t in batched] == [t.token_ids for t in alone]  # type: ignore[union-attr]
+
+
+def reference_dynamic_tree(d: RecurrentDrafter, req: DraftRequest) -> tuple[list[int], list[int]]:
+    """EAGLE-2 by hand: per depth, each frontier node's `width` best next tokens; the
+    `width` best new ones (cumulative log-prob) form the next frontier; the tree keeps
+    the max_nodes best candidates, best-first from the root."""
+    from specdec.drafters.tree import best_first
+
+    width = min(rcd.DYNAMIC_WIDTH, req.max_nodes)
+    paths: list[list[int]] = [[req.token_ids[-1]]]  # by node id; id 0 the root
+    scores, parents, frontier = [0.0], [], [0]
+    for _ in range(req.num_tokens):
+        new = []
+        for node in frontier:
+            for token in ranked(d, req.hidden, paths[node])[:width]:  # type: ignore[arg-type]
+                parents.append(node)
+                paths.append(paths[node] + [token])
+                scores.append(scores[node] + logprob(d, req.hidden, paths[node], token))  # type: ignore[arg-type]
+                new.append(len(paths) - 1)
+        frontier = sorted(new, key=lambda n: -scores[n])[:width]
+    kept = best_first(parents, scores[1:], req.max_nodes)
+    index = {0: 0} | {k + 1: i + 1 for i, k in enumerate(kept)}
+    return [paths[0][-1]] + [paths[k + 1][-1] for k in kept], [-1] + [index[parents[k]] for k in kept]
+
+
+@pytest.mark.parametrize("seed, max_nodes", [(0, 3), (1, 6), (2, 10)])
+def test_dynamic_tree_equals_a_reference_expansion(seed: int, max_nodes: int) -> None:
+    d = drafter([(0,)], seed=seed)
+    d.dynamic = True
+    req = request(seed, depth=4, max_nodes=max_nodes)
+    tree = d.propose([req])[0].tree
+    assert tree is not None and (tree.token_ids, tree.parents) == reference_dynamic_tree(d, req)
+    assert tree.max_depth >= 3  # deep nodes are kept, so the frontier choice matters
 
 
 def test_depth_and_node_budget_are_respected() -> None:

@@ -77,12 +77,16 @@ def test_recurrent_heads_chain_and_tree_are_lossless(tiny_model_dir, tiny_recurr
                speculative_config=medusa(tiny_recurrent_dir, num_tree_nodes=10,
                                             tree_choices=[[0], [1], [0, 0], [2], [0, 1], [1, 0], [0, 0, 0], [1, 1],
                                                           [0, 0, 1], [2, 0]]))
+    dynamic = LLM(str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=64,
+                  speculative_config=medusa(tiny_recurrent_dir, num_tree_nodes=10))
     for seed in range(4):
         prompts = random_prompts(seed + 40, 4)
         expected = token_ids(plain.generate(prompts, greedy()))
         assert token_ids(chain.generate(prompts, greedy())) == expected
         assert token_ids(tree.generate(prompts, greedy())) == expected
-    for llm in (chain, tree):
+        assert token_ids(dynamic.generate(prompts, greedy())) == expected
+    assert dynamic.engine.drafter.dynamic and not tree.engine.drafter.dynamic
+    for llm in (chain, tree, dynamic):
         assert llm.get_metrics()["num_accepted_tokens"] > 0
         assert_all_blocks_free(llm)
 
@@ -90,9 +94,10 @@ def test_recurrent_heads_chain_and_tree_are_lossless(tiny_model_dir, tiny_recurr
 def test_recurrent_heads_sample_and_free_every_block(tiny_model_dir, tiny_recurrent_dir) -> None:  # type: ignore[no-untyped-def]
     from specdec import SamplingParams
 
-    chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(tiny_recurrent_dir))
     params = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=24, ignore_eos=True)
-    outs = chain.generate(random_prompts(50, 4), params)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 4
-    assert chain.get_metrics()["num_draft_tokens"] > 0
-    assert_all_blocks_free(chain)
+    for extra in ({}, {"num_tree_nodes": 8}):
+        llm = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(tiny_recurrent_dir, **extra))
+        outs = llm.generate(random_prompts(50, 4), params)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 4
+        assert llm.get_metrics()["num_draft_tokens"] > 0
+        assert_all_blocks_free(llm)
