@@ -5,7 +5,8 @@ the target's generations rather than from a text corpus. This module
 
 1. builds a few hundred varied instructions combinatorially (templates x topics), with a
    fixed held-out split (the seed and the templates are private to this file, so they do
-   not overlap with the evaluation prompts under evals/prompts/);
+   not overlap with the evaluation prompts under evals/prompts/), optionally plus
+   open-chat prompts the target writes itself (--num-self-instruct, self_instruct.py);
 2. generates the target's continuations (chat template, batched HF generate with left
    padding, greedy by default);
 3. records, for every generated token, the target's final-norm hidden state at the
