@@ -74,11 +74,12 @@ def builds(name: str, fallback: str) -> bool:
 def _digest(source: Path, compiler: str) -> str:
     headers = [header.read_bytes() for header in sorted(SOURCE_DIR.glob("*.h"))]
     parts = [source.read_bytes(), *headers, compiler.encode(), " ".join(FLAGS).encode(),
-             platform.machine().encode(), _cpu_flags().encode()]
+             platform.machine().encode(), cpu_flags().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags line from /proc/cpuinfo (the processor name elsewhere)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -1,20 +1,21 @@
 """fp32 x fp16-weight linear layers on the CPU through the C++ kernel (csrc/linear_fp16.cpp).
 
-The weight is packed once into tiles of 16 output columns, k-major inside each tile, so
-the kernel streams it in one pass per block of rows. Each output is one fused
+The weight is packed once into tiles of `tile()` output columns (a vector register's
+float32 lanes: 16 with AVX-512, else 8), k-major inside each tile, so the kernel streams
+it in one pass per block of rows. Each output is one fused
 multiply-add chain in k order: batch invariant, so a verify over 1 + k rows gives each
 row exactly what a one-row decode would.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 from specdec.kernels import cpu_build
 
 _LIBRARY = "linear_fp16"
-TILE = 16  # output columns per packed tile
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
              ctypes.c_void_p, ctypes.c_int32]
 
@@ -25,24 +26,31 @@ def builds() -> bool:
     return cpu_build.builds(_LIBRARY, "fbgemm's fp16 linear")
 
 
-def pack_fp16(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N / 16), K, 16] fp16
-    """The kernel's layout of a weight: zero-padded to whole tiles of 16 output columns."""
+@functools.cache
+def tile() -> int:
+    """Output columns per packed tile, as the kernel built here reads them."""
+    return int(cpu_build.function(_LIBRARY, "specdec_linear_tile", [], ctypes.c_int64)())
+
+
+def pack_fp16(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N / T), K, T] fp16, T = tile()
+    """The kernel's layout of a weight: zero-padded to whole tiles of output columns."""
     n, k = weight.shape
-    padded = torch.zeros(-(-n // TILE) * TILE, k, dtype=torch.float16)
+    width = tile()
+    padded = torch.zeros(-(-n // width) * width, k, dtype=torch.float16)
     padded[:n] = weight.detach()
-    return padded.view(-1, TILE, k).transpose(1, 2).contiguous()
+    return padded.view(-1, width, k).transpose(1, 2).contiguous()
 
 
 def linear_fp16(
     x: torch.Tensor,  # [M, K] float32
-    packed: torch.Tensor,  # [ceil(N / 16), K, 16] fp16 from pack_fp16
+    packed: torch.Tensor,  # [ceil(N / T), K, T] fp16 from pack_fp16
     bias: torch.Tensor | None,  # [N] float32
     out_features: int,  # N
 ) -> torch.Tensor:  # [M, N] float32, new and contiguous
     x = x.contiguous()
-    if x.dtype != torch.float32 or x.shape[-1] != packed.shape[1]:
-        raise ValueError(f"linear_fp16 needs float32 x with {packed.shape[1]} features, got {x.dtype} "
-                         f"{tuple(x.shape)}")
+    if x.dtype != torch.float32 or x.shape[-1] != packed.shape[1] or packed.shape[2] != tile():
+        raise ValueError(f"linear_fp16 needs float32 x with {packed.shape[1]} features and a weight packed "
+                         f"in tiles of {tile()}, got {x.dtype} {tuple(x.shape)} and {tuple(packed.shape)}")
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     if x.shape[0] == 0:
         return out

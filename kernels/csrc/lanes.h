@@ -1,6 +1,8 @@
-// 16 float32 lanes as a GCC vector (one AVX-512 register, two AVX2 ones), and loads that
-// widen fp16 and bf16 elements into them exactly: shared by the C++ CPU kernels.
-// cpu_build.py keys its cache on this header too.
+// A machine register of float32 lanes as a GCC vector (16 lanes with AVX-512, else 8),
+// and loads that widen fp16 and bf16 elements into them exactly: shared by the C++ CPU
+// kernels. The width must be the register's: GCC has no register mode for a 64-byte
+// vector without AVX-512, so it keeps one in memory and every operation goes through the
+// stack (30x slower). cpu_build.py keys its cache on this header too.
 #pragma once
 
 #include <immintrin.h>
@@ -10,7 +12,11 @@
 
 namespace specdec {
 
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
@@ -37,12 +43,9 @@ inline Lanes load(const Half* p) {
   std::memcpy(&h, p, sizeof h);
   return reinterpret_cast<Lanes>(_mm512_cvtph_ps(h));
 #elif defined(__F16C__)
-  __m128i h[2];
-  std::memcpy(h, p, sizeof h);
-  const __m256 halves[2] = {_mm256_cvtph_ps(h[0]), _mm256_cvtph_ps(h[1])};
-  Lanes v;
-  std::memcpy(&v, halves, sizeof v);
-  return v;
+  __m128i h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<Lanes>(_mm256_cvtph_ps(h));
 #else
   Lanes v;
   for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(reinterpret_cast<const _Float16*>(p)[l]);

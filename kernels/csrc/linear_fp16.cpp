@@ -1,9 +1,9 @@
 // y = x W^T (+ b) with fp32 activations and fp16 weights on the CPU: the "cpp-fp16"
 // linear backend (specdec/models/linear.py, through kernels/linear_cpu.py).
 //
-// The weight is packed once into tiles of 16 output columns, k-major inside a tile
-// ([ceil(N / 16), K, 16] fp16, zero-padded), so a tile streams through memory in one
-// pass and each k step widens one 32-byte row of it to float32 lanes. A block of R rows
+// The weight is packed once into tiles of kLanes output columns (16 with AVX-512, else
+// 8), k-major inside a tile ([ceil(N / kLanes), K, kLanes] fp16, zero-padded), so a tile
+// streams through memory in one pass and each k step widens one row of it to a register. A block of R rows
 // and C tiles keeps R * C accumulators in registers and broadcasts x[r][k] into them.
 // Every output element is one chain of fused multiply-adds in k order, started from
 // zero, with the bias added last: a row's result never depends on the other rows, on
@@ -21,10 +21,13 @@ using specdec::kLanes;
 using specdec::Lanes;
 using specdec::load;
 
+// Blocks of up to kMaxRows rows with one or two tiles, or of up to kFewRows rows with
+// three or four (more weight streams in flight when there are few rows to share them):
+// R * C accumulators leave room for the C weight rows and a broadcast.
 #if defined(__AVX512F__)
-constexpr int64_t kMaxRows = 12;  // R * C <= 24 accumulators of the 32 vector registers
+constexpr int64_t kMaxRows = 12, kFewRows = 4;  // <= 24 of the 32 vector registers
 #else
-constexpr int64_t kMaxRows = 4;  // Lanes are two registers each
+constexpr int64_t kMaxRows = 6, kFewRows = 3;  // <= 12 of the 16 vector registers
 #endif
 constexpr int64_t kAheadK = 128;  // weight rows requested this many k steps ahead
 
@@ -62,10 +65,6 @@ void block(const float* x, int64_t K, const Half* w, float* out, int64_t N, cons
 
 using BlockFn = void (*)(const float*, int64_t, const Half*, float*, int64_t, const float*, int64_t);
 
-// Blocks of up to kMaxRows rows with one or two tiles, or of up to kFewRows rows with
-// three or four (more weight streams in flight when there are few rows to share them).
-constexpr int64_t kFewRows = 4;
-
 template <int C, int R = 1>
 BlockFn block_fn(int64_t rows) {
   if constexpr (R < (C > 2 ? kFewRows : kMaxRows)) {
@@ -95,7 +94,10 @@ int64_t tiles_per_block(int64_t M, int64_t tiles, int64_t row_blocks, int32_t th
 
 extern "C" {
 
-// x: [M, K] float32 contiguous; w: [ceil(N / 16), K, 16] fp16 (packed); bias: [N] float32
+// Output columns per packed weight tile.
+int64_t specdec_linear_tile() { return kLanes; }
+
+// x: [M, K] float32 contiguous; w: [ceil(N / kLanes), K, kLanes] fp16 (packed); bias: [N] float32
 // or null; out: [M, N] float32 contiguous.
 void specdec_linear_fp16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias,
                          float* out, int32_t num_threads) {

@@ -44,20 +44,27 @@ inline void prefetch_head(const T* p) {
 // reduction`: a compiler-chosen reduction may start at an alignment boundary, so its
 // rounding would depend on where a buffer happens to sit in memory.
 //
-// Lane l += lane l + 8, then + 4, + 2, + 1, in registers (a store and scalar reloads
-// would stall on store forwarding, once per key and head).
+// Lane l += lane l + kLanes / 2, then ... + 2, + 1, in registers (a store and scalar
+// reloads would stall on store forwarding, once per key and head).
 inline float sum_lanes(Lanes v) {
+#if defined(__AVX512F__)
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
   v += __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+#else
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1);
+  v += __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0);
+#endif
   return v[0];
 }
 
-// sum_lanes of four vectors at once, in lanes 0, 4, 8 and 12: the same additions in the
-// same order as sum_lanes (so a key's score never depends on its neighbours), with the
-// shuffles of the first two steps shared.
+// sum_lanes of four vectors at once, in lanes 0, kLanes / 4, kLanes / 2 and 3 kLanes / 4:
+// the same additions in the same order as sum_lanes (so a key's score never depends on
+// its neighbours), with the shuffles of the first two steps shared.
 inline Lanes sum_lanes4(Lanes a, Lanes b, Lanes c, Lanes d) {
+#if defined(__AVX512F__)
   const Lanes ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
                    __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   const Lanes cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -66,6 +73,15 @@ inline Lanes sum_lanes4(Lanes a, Lanes b, Lanes c, Lanes d) {
             __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+  const Lanes ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  const Lanes cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+  Lanes v = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+            __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
   return v;
 }
 
@@ -285,7 +301,7 @@ void score_keys(const float* q, const T* const* k, int64_t begin, int64_t end, f
     for (int64_t i = 0; i < 4; ++i) dots(j + i, four[i]);
     for (int64_t h = 0; h < kHeads; ++h) {
       const Lanes sums = sum_lanes4(four[0][h], four[1][h], four[2][h], four[3][h]);
-      for (int64_t i = 0; i < 4; ++i) scores[h][j + i] = sums[4 * i] * scale;
+      for (int64_t i = 0; i < 4; ++i) scores[h][j + i] = sums[kLanes / 4 * i] * scale;
     }
   }
   for (; j < end; ++j) {
@@ -475,11 +491,11 @@ RunFn run_for(int32_t dtype) {
 // Head dims the kernel is instantiated for (multiples of kLanes); others use the reference.
 RunFn run_fn(int64_t head_dim, int32_t dtype) {
   switch (head_dim) {
-    case 32: return run_for<2>(dtype);
-    case 64: return run_for<4>(dtype);
-    case 80: return run_for<5>(dtype);
-    case 96: return run_for<6>(dtype);
-    case 128: return run_for<8>(dtype);
+    case 32: return run_for<32 / kLanes>(dtype);
+    case 64: return run_for<64 / kLanes>(dtype);
+    case 80: return run_for<80 / kLanes>(dtype);
+    case 96: return run_for<96 / kLanes>(dtype);
+    case 128: return run_for<128 / kLanes>(dtype);
     default: return nullptr;
   }
 }

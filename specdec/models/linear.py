@@ -16,6 +16,7 @@ may share the embedding / LM head in fp32, and the model can be repacked later.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdec.kernels import linear_cpu
+from specdec.kernels import cpu_build, linear_cpu
 
 if TYPE_CHECKING:
     from specdec.models.llama import LlamaForCausalLM
@@ -127,9 +128,11 @@ class _FbgemmLinear(LinearBackend):
 class Fp16Linear(_FbgemmLinear):
     """fbgemm packed fp16 weights (`quantized::linear_prepack_fp16`); activations stay
     fp32 and are multiplied in fp32 against the fp16 weight (converted in registers).
-    Halves weight memory traffic; batch invariant on this hardware."""
+    Halves weight memory traffic. Batch invariant with AVX-512 only: on AVX2 fbgemm
+    blocks the rows differently by row count, and a row's sums change with it."""
 
-    name, rel_tol, batch_invariant = "fp16", 1e-2, True
+    name, rel_tol = "fp16", 1e-2
+    batch_invariant = torch.backends.cpu.get_cpu_capability() == "AVX512"
 
     def prepare(self, weight: Tensor, bias: Tensor | None = None) -> Any:
         with _quantized_engine(self.engine()):
@@ -184,9 +187,17 @@ class Int8Linear(_FbgemmLinear):
             return torch.ops.quantized.linear_prepack(qweight, _fp32_or_none(bias))
 
     def apply(self, x: Tensor, packed: Any) -> Tensor:
-        # reduce_range=False: the full uint8 range (the CPUs here have AVX512-VNNI).
-        out: Tensor = torch.ops.quantized.linear_dynamic(x, packed, False)
+        out: Tensor = torch.ops.quantized.linear_dynamic(x, packed, not _has_vnni())
         return out
+
+
+@functools.cache
+def _has_vnni() -> bool:
+    """Whether the CPU has VNNI, which multiplies uint8 by int8 into int32 exactly.
+    Without it fbgemm's u8 x s8 pairs sum into saturating int16, so activations must be
+    quantized to 7 bits (reduce_range), or large products clip (~10% error, seen on AVX2)."""
+    flags = cpu_build.cpu_flags().split()
+    return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
 class Int8RowwiseLinear(LinearBackend):
