@@ -3,7 +3,8 @@
 The library is built for the machine it runs on (-march=native) and cached under
 $SPECDEC_HOME/kernels, keyed by the source and the headers beside it, the compiler and
 flags, and the CPU's feature flags, so a home shared between machines never loads code
-built for another CPU. Only a C++ compiler is needed (g++ by default, or $CXX): no
+built for another CPU. $SPECDEC_CXXFLAGS adds flags after ours (e.g. `-mno-avx512f`
+builds the 8-lane AVX2 code on an AVX-512 machine). Only a C++ compiler is needed (g++ by default, or $CXX): no
 torch headers, so a build takes a second or two. OpenMP comes from the libgomp torch
 already loaded.
 """
@@ -38,10 +39,11 @@ def load(name: str) -> ctypes.CDLL:
     """csrc/<name>.cpp as a loaded library, compiled first if not cached."""
     source = SOURCE_DIR / f"{name}.cpp"
     compiler = os.environ.get("CXX", "g++")
-    library = specdec_home() / "kernels" / f"{name}-{_digest(source, compiler)}.so"
+    flags = [*FLAGS, *os.environ.get("SPECDEC_CXXFLAGS", "").split()]
+    library = specdec_home() / "kernels" / f"{name}-{_digest(source, compiler, flags)}.so"
     if not library.exists():
         try:
-            _compile(source, compiler, library)
+            _compile(source, compiler, flags, library)
         except OSError as error:  # an unwritable cache, a compiler that cannot start
             raise KernelBuildError(f"cannot build {library}: {error}") from error
     try:
@@ -71,9 +73,9 @@ def builds(name: str, fallback: str) -> bool:
     return True
 
 
-def _digest(source: Path, compiler: str) -> str:
+def _digest(source: Path, compiler: str, flags: list[str]) -> str:
     headers = [header.read_bytes() for header in sorted(SOURCE_DIR.glob("*.h"))]
-    parts = [source.read_bytes(), *headers, compiler.encode(), " ".join(FLAGS).encode(),
+    parts = [source.read_bytes(), *headers, compiler.encode(), " ".join(flags).encode(),
              platform.machine().encode(), cpu_flags().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
@@ -87,7 +89,7 @@ def cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
 
 
-def _compile(source: Path, compiler: str, library: Path) -> None:
+def _compile(source: Path, compiler: str, flags: list[str], library: Path) -> None:
     if shutil.which(compiler) is None:
         raise KernelBuildError(f"no C++ compiler {compiler!r} on PATH (set CXX) to build {source.name}")
     library.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +97,7 @@ def _compile(source: Path, compiler: str, library: Path) -> None:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *FLAGS, str(source), "-o", partial], capture_output=True, text=True)
+        result = subprocess.run([compiler, *flags, str(source), "-o", partial], capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelBuildError(f"{compiler} failed on {source.name}:\n{result.stderr[-4000:]}")
         os.replace(partial, library)
