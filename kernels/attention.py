@@ -1,5 +1,5 @@
-"""Dispatch: Triton kernels on CUDA tensors; on the CPU, the C++ kernel (attention_cpu.py)
-where it builds, else the torch reference.
+"""Dispatch: Triton kernels on CUDA tensors; on the CPU, the C++ kernels (attention_cpu.py,
+store_kv_cpu.py) where they build, else the torch reference.
 
 The engine's attention_backend, carried by AttentionMetadata.backend, picks the CPU path:
 "auto" (the C++ kernel if it builds here, with one warning if not), "cpp" (the C++
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels import attention_cpu
+from specdec.kernels import attention_cpu, store_kv_cpu
 from specdec.kernels.attention_ref import paged_attention_ref, store_kv_ref
 from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
@@ -41,6 +41,8 @@ def store_kv(
         from specdec.kernels.attention_triton import store_kv_triton
 
         store_kv_triton(key, value, kv, slot_mapping)
+    elif store_kv_cpu.supports(key, value, kv, slot_mapping):
+        store_kv_cpu.store_kv_cpu(key, value, kv, slot_mapping)
     else:
         store_kv_ref(key, value, kv, slot_mapping)
 
