@@ -150,13 +150,13 @@ def bench_concurrency(args: argparse.Namespace, runners: dict[str, Any]) -> list
     the batch-1 baseline of the same work. Methods alternate per level, and the whole
     sweep repeats `--rounds` times; a row sums its rounds."""
     methods = _engine_methods(args, runners)
-    prompts = _workload(args, runners[methods[0]], max(args.concurrency))
+    prompts = workload(args, runners[methods[0]], max(args.concurrency))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     totals: dict[tuple[int, str], dict[str, Any]] = {}
     for _ in range(args.rounds):
         for concurrency in args.concurrency:
             for method in methods:
-                outs, seconds = timed(lambda: _serve_in_waves(runners[method], prompts, params, concurrency))
+                outs, seconds = timed(lambda: serve_in_waves(runners[method], prompts, params, concurrency))
                 row = totals.setdefault((concurrency, method), {
                     "concurrency": concurrency, "method": method, "requests": 0, "tokens": 0, "prompt_tokens": 0,
                     "seconds": 0.0})
@@ -206,14 +206,14 @@ def _engine_methods(args: argparse.Namespace, runners: dict[str, Any]) -> list[s
     return [m for m in args.methods if isinstance(runners[m], LLM)]
 
 
-def _workload(args: argparse.Namespace, llm: LLM, n: int) -> list[list[int]]:
+def workload(args: argparse.Namespace, llm: LLM, n: int) -> list[list[int]]:
     """n chat prompts, round-robin over the categories."""
     by_category = [load_prompts(c, 64) for c in args.categories]
     texts = [t for row in itertools.zip_longest(*by_category) for t in row if t is not None]
     return [llm.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(n)]
 
 
-def _serve_in_waves(llm: LLM, prompts: list[list[int]], params: SamplingParams,
+def serve_in_waves(llm: LLM, prompts: list[list[int]], params: SamplingParams,
                     concurrency: int) -> list[Any]:
     outs = []
     for start in range(0, len(prompts), concurrency):

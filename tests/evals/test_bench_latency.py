@@ -2,20 +2,18 @@
 concurrency, ratios against plain taken from the same run."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).parents[2] / "evals" / "bench_latency.py"
+from tests.evals.scripts import EVALS, load_eval
 
 
 def test_bench_latency_reports_every_method(tiny_model_dir: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    bench = _load()
+    bench = load_eval("bench_latency")
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", [
         "bench_latency", "--model", str(tiny_model_dir), "--methods", "plain,ngram-adaptive,ngram@attention=torch",
@@ -36,7 +34,7 @@ def test_bench_latency_reports_every_method(tiny_model_dir: Path, tmp_path: Path
 
 
 def test_method_options() -> None:
-    bench = _load()
+    bench = load_eval("bench_latency")
     assert bench.parse_method("ngram@kv=fp16@attention=torch") == (
         bench.PRESETS["ngram"], {"kv_cache_dtype": "fp16", "attention_backend": "torch"})
     for bad in ("nope", "plain@speed=fast", "plain@kv"):
@@ -44,16 +42,8 @@ def test_method_options() -> None:
             bench.parse_method(bad)
 
 
-def _load() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_latency", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench: Any = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_subcategory_selects_input_grounded_code() -> None:
-    sys.path.insert(0, str(BENCH.parent))
+    sys.path.insert(0, str(EVALS))
     from common import INPUT_GROUNDED, load_prompts
 
     rewrites = load_prompts("code:rewrite", 100)
