@@ -214,7 +214,7 @@ def workload(args: argparse.Namespace, llm: LLM, n: int) -> list[list[int]]:
 
 
 def serve_in_waves(llm: LLM, prompts: list[list[int]], params: SamplingParams,
-                    concurrency: int) -> list[Any]:
+                   concurrency: int) -> list[Any]:
     outs = []
     for start in range(0, len(prompts), concurrency):
         outs += llm.generate(prompts[start:start + concurrency], params)

@@ -25,9 +25,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_latency import serve_in_waves, workload
 from common import markdown_table
-from specdec.kernels import attention_cpu, linear_cpu, rms_norm_cpu, store_kv_cpu
 
 from specdec import LLM, SamplingParams
+from specdec.kernels import attention_cpu, linear_cpu, rms_norm_cpu, store_kv_cpu
 from specdec.model_registry import DEFAULT_MODEL
 
 KERNELS: dict[str, tuple[ModuleType, str]] = {

@@ -31,9 +31,9 @@ def test_same_bits_as_the_reference(dtype: torch.dtype, tokens: int) -> None:
     assert store_kv_cpu.supports(key, value, ours, slots)
     attention.store_kv(key, value, ours, slots)  # the dispatch takes the C++ kernel
     store_kv_ref(key, value, ref, slots)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
     for mine, theirs in ((ours.k, ref.k), (ours.v, ref.v)):
-        assert torch.equal(mine.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                           theirs.view(torch.int16 if dtype != torch.float32 else torch.int32))
+        assert torch.equal(mine.view(bits), theirs.view(bits))
 
 
 def test_nan_stays_nan() -> None:
