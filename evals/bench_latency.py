@@ -46,7 +46,8 @@ PRESETS: dict[str, dict[str, Any] | None] = {
     "medusa-tree64": {"method": "medusa", "num_speculative_tokens": 4, "num_tree_nodes": 64, "model": str(MEDUSA_DIR)},
 }
 # Recurrent Medusa heads: chains of k drafts ("medusa-rec" is k=6, the depth they were
-# trained to) and static trees of n drafts up to depth 6 ("medusa-rec-tree<n>").
+# trained to) and EAGLE-2 dynamic trees of n drafts up to depth 6 ("medusa-rec-tree<n>";
+# dynamic because no tree_choices are given).
 PRESETS.update({f"medusa-rec{'' if k == 6 else f'-k{k}'}": {
     "method": "medusa", "num_speculative_tokens": k, "model": str(RECURRENT_DIR)} for k in (5, 6, 8, 16)})
 PRESETS.update({f"medusa-rec-tree{n}": {"method": "medusa", "num_speculative_tokens": 6, "num_tree_nodes": n,
