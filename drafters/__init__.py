@@ -1,4 +1,4 @@
-"""Drafters behind one protocol: ngram, draft_model, medusa."""
-from specdec.drafters.base import Draft, Drafter, DraftRequest
+"""Drafters behind one interface: ngram, draft_model, medusa (and recurrent heads)."""
+from specdec.drafters.base import Drafter, DrafterContext, DraftRequest
 
-__all__ = ["Draft", "DraftRequest", "Drafter"]
+__all__ = ["DraftRequest", "Drafter", "DrafterContext"]

@@ -1,53 +1,74 @@
-"""The one interface every drafter implements."""
+"""The one interface every drafter implements, and the narrow context drafters are built from."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specdec.config import SpeculativeConfig
 from specdec.sampling_params import SamplingParams
+from specdec.tree import DraftTree
 
 if TYPE_CHECKING:
-    from specdec.drafters.tree import DraftTree
+    from specdec.block_manager import BlockManager
+    from specdec.model_runner import ModelRunner
+    from specdec.models import LlamaForCausalLM
 
 
-@dataclass
+@dataclass(frozen=True)
 class DraftRequest:
     """What a drafter sees of one request when asked for a draft."""
 
     request_id: str
-    token_ids: list[int]  # prompt + committed output tokens, the last one not yet in the target KV
-    num_tokens: int  # chain length, or a tree's depth, the scheduler has room for (>= 1)
+    token_ids: list[int]  # prompt + committed output tokens, the last one (the root) not yet in the target KV
+    num_draft_tokens: int  # draft nodes the step has room for (>= 1)
+    max_depth: int  # the longest path that can still be committed (1 <= max_depth <= num_draft_tokens)
     sampling_params: SamplingParams
-    max_nodes: int = 0  # > 0: a tree of at most this many draft nodes may be proposed
     # [H] the target's final hidden state at the last committed token's predecessor
     # (what produced that token's logits), for drafters that read it (Medusa).
     hidden: torch.Tensor | None = None
 
-
-@dataclass
-class Draft:
-    token_ids: list[int]  # at most DraftRequest.num_tokens; may be empty (no guess)
-    # [len(token_ids), vocab] draft distribution after the request's sampling transforms,
-    # or None: the draft is then treated as one-hot by the rejection sampler.
-    probs: torch.Tensor | None = None
-    # A tree instead of a chain (token_ids then unused): node 0 is the last committed token.
-    tree: DraftTree | None = None
+    def target_hidden(self) -> torch.Tensor:  # [H]
+        """The hidden state, for drafters that need one (ask only when it is there)."""
+        if self.hidden is None:
+            raise ValueError(f"request {self.request_id!r} has no target hidden state yet")
+        return self.hidden
 
 
 class Drafter(ABC):
-    """Proposes draft tokens for a batch of requests.
+    """Proposes draft trees for a batch of requests.
 
-    Contract: `propose` returns one Draft per request, in order, each no longer than the
-    request's num_tokens. A drafter may keep per-request state (a KV cache); it must
+    Contract: `propose` returns one DraftTree per request, in order, rooted at the
+    request's last token, with at most num_draft_tokens nodes beyond the root and no
+    path deeper than max_depth (a chain is a tree with one child per node; the root
+    alone means no guess). A drafter may keep per-request state (a KV cache); it must
     reconcile that state itself from `token_ids` (tokens it drafted that the target
     rejected no longer appear there) and release it in `free`.
     """
 
     @abstractmethod
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]: ...
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]: ...
 
     def free(self, request_id: str) -> None:
         """Forget a finished or aborted request."""
+
+
+@dataclass(frozen=True)
+class DrafterContext:
+    """Everything a drafter may use of the engine it serves, and nothing more."""
+
+    spec: SpeculativeConfig
+    tokenizer: Any  # the target's (transformers) tokenizer: draft models must share its vocabulary
+    target: LlamaForCausalLM  # embeddings, LM head and linear backend, read only
+    device: torch.device
+    dtype: torch.dtype  # the target's activation dtype, which a draft model runs in too
+    linear_backend: str  # the target's linear backend name, for a draft model's projections
+    max_model_len: int
+    # A KV allocator for a draft model: (model, num_blocks) -> a runner over a fresh
+    # paged cache of that many blocks of the engine's block size, and its block manager.
+    allocate_kv: Callable[[LlamaForCausalLM, int], tuple[ModelRunner, BlockManager]]
+    num_kv_blocks: int  # the target's KV blocks
+    max_num_seqs: int

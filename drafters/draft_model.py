@@ -7,112 +7,100 @@ truncating `num_computed_tokens` and the block table, exactly as the target does
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from specdec.block_manager import BlockManager
-from specdec.drafters.base import Draft, Drafter, DraftRequest
-from specdec.drafters.tree import Candidate, DraftTree, expand_layer
+from specdec.drafters.base import Drafter, DrafterContext, DraftRequest
 from specdec.model_registry import resolve_model
-from specdec.model_runner import KVCache, ModelRunner
+from specdec.model_runner import ModelRunner
 from specdec.models import LlamaForCausalLM, load_model
-from specdec.models.linear import apply_linear_backend
 from specdec.request import Request
 from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
 from specdec.scheduler import ScheduledRequest
-
-if TYPE_CHECKING:
-    from specdec.engine import LLMEngine
+from specdec.tree import Candidate, DraftTree, expand_layer
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, model: LlamaForCausalLM, runner: ModelRunner, block_manager: BlockManager) -> None:
+    def __init__(self, model: LlamaForCausalLM, runner: ModelRunner, block_manager: BlockManager,
+                 branching: bool) -> None:
         self.model = model
         self.runner = runner
         self.block_manager = block_manager
+        self.branching = branching  # EAGLE-2 style dynamic trees instead of chains
         self.shadows: dict[str, Request] = {}
         self.num_committed: dict[str, int] = {}
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> DraftModelDrafter:
-        spec = engine.config.speculative_config
-        assert spec is not None and spec.model
-        draft_dir = resolve_draft_dir(spec.model)
-        model = load_model(draft_dir, dtype=engine.config.dtype, device=engine.device,
-                           fallback_weights=engine.model.hf_embedding_weights(),
-                           max_positions=engine.max_model_len + 32)
-        check_compatible(engine, model, draft_dir)
-        apply_linear_backend(model, engine.config.linear_backend)
-        mc = model.config
+    def from_context(cls, context: DrafterContext) -> DraftModelDrafter:
+        assert context.spec.model
+        draft_dir = resolve_draft_dir(context.spec.model)
+        model = load_model(draft_dir, dtype=context.dtype, device=context.device,
+                           fallback_weights=context.target.hf_embedding_weights(),
+                           max_positions=context.max_model_len + 32, linear_backend=context.linear_backend,
+                           attention_backend=context.target.attention_backend)
+        check_compatible(context, model, draft_dir)
         # As many blocks as the target, plus lookahead room for every running request.
-        num_blocks = engine.block_manager.num_blocks + engine.config.max_num_seqs
-        kv = KVCache(mc.num_layers, num_blocks, engine.config.block_size, mc.num_kv_heads, mc.head_dim,
-                     engine.config.dtype, engine.device)
-        config = replace(engine.config, enable_prefix_caching=False)
-        block_manager = BlockManager(num_blocks, engine.config.block_size, False)
-        return cls(model, ModelRunner(model, config, kv, engine.device), block_manager)
+        runner, block_manager = context.allocate_kv(model, context.num_kv_blocks + context.max_num_seqs)
+        return cls(model, runner, block_manager, branching=context.spec.num_tree_nodes > 0)
 
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         shadows = [self._sync(r) for r in requests]
-        if requests[0].max_nodes:
+        if self.branching:
             return self._propose_trees(requests, shadows)
         st = SamplingTensors.from_params([r.sampling_params for r in requests],
                                          [s.generator for s in shadows])
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = self._make_room(requests, shadows)
-        for _ in range(max(r.num_tokens for r in requests)):
-            active = [i for i in active if len(tokens[i]) < requests[i].num_tokens]
+        for _ in range(max(r.max_depth for r in requests)):
+            active = [i for i in active if len(tokens[i]) < requests[i].max_depth]
             if not active:
                 break
             self._draft_step([shadows[i] for i in active], st.select(active),
                              [tokens[i] for i in active], [probs[i] for i in active])
-        return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+        return [DraftTree.chain([r.token_ids[-1], *t], torch.stack(p) if p else None)
+                for r, t, p in zip(requests, tokens, probs)]
 
     def _draft_step(self, shadows: list[Request], st: SamplingTensors, tokens: list[list[int]],
                     probs: list[list[torch.Tensor]]) -> None:
         """One batched draft forward: catch up on new tokens, sample the next draft token."""
-        batch = [ScheduledRequest(s, s.num_tokens - s.num_computed_tokens) for s in shadows]
-        for item in batch:
-            self.block_manager.allocate(item.request, item.num_new_tokens)
-        logits = self.runner.execute(batch).logits  # [B, V]
+        logits = self._catch_up(shadows)  # [B, V]
         if st.all_greedy:  # greedy verification never reads draft probabilities
             sampled, step_probs = logits.argmax(-1), None
         else:
             step_probs = logits_to_probs(logits, st)  # [B, V]
             sampled = sample_probs(step_probs, st.generators)
-        for i, (shadow, item) in enumerate(zip(shadows, batch)):
-            shadow.num_computed_tokens += item.num_new_tokens
+        for i, shadow in enumerate(shadows):
             token = int(sampled[i])
             shadow.all_token_ids.append(token)
             tokens[i].append(token)
             if step_probs is not None:
                 probs[i].append(step_probs[i])
 
-    def _propose_trees(self, requests: list[DraftRequest], shadows: list[Request]) -> list[Draft]:
+    def _propose_trees(self, requests: list[DraftRequest], shadows: list[Request]) -> list[DraftTree]:
         """EAGLE-2 style dynamic trees: expand the best few nodes of each level, keep the
-        max_nodes candidates of highest cumulative draft log-probability.
+        num_draft_tokens candidates of highest cumulative draft log-probability.
 
         Each level re-runs the expanded nodes so far as one tree query (root included),
         so a node attends to the committed prefix and its own ancestors only. The tree's
         KV is dropped afterwards: the next catch-up recomputes what the target accepted.
         """
-        active = self._make_room(requests, shadows, extra=lambda r: 1 + _WIDTH * r.num_tokens)
+        active = self._make_room(requests, shadows, extra=lambda r: 1 + _WIDTH * r.max_depth)
         expansions = {i: _Expansion(shadows[i].all_token_ids[-1]) for i in active}
         logits = self._catch_up([shadows[i] for i in active])  # [A, V]
         for i, row in zip(active, logits):
             expansions[i].grow([0], row[None])
-        for depth in range(2, 1 + max((requests[i].num_tokens for i in active), default=0)):
-            growing = [i for i in active if requests[i].num_tokens >= depth]
+        for depth in range(2, 1 + max((requests[i].max_depth for i in active), default=0)):
+            growing = [i for i in active if requests[i].max_depth >= depth]
             if not growing:
                 break
             self._expand_level([shadows[i] for i in growing], [expansions[i] for i in growing])
-        drafts = [Draft([]) for _ in requests]
+        drafts = [DraftTree.chain([r.token_ids[-1]]) for r in requests]
         for i in active:
-            drafts[i] = Draft([], tree=expansions[i].tree(requests[i].max_nodes))
+            drafts[i] = expansions[i].tree(requests[i].num_draft_tokens)
             shadows[i].num_computed_tokens = shadows[i].num_tokens
             self.block_manager.truncate(shadows[i], shadows[i].num_tokens)
         return drafts
@@ -121,26 +109,27 @@ class DraftModelDrafter(Drafter):
         batch = [ScheduledRequest(s, s.num_tokens - s.num_computed_tokens) for s in shadows]
         for item in batch:
             self.block_manager.allocate(item.request, item.num_new_tokens)
-        logits = self.runner.execute(batch).logits
+        logits = self.runner.execute(batch, [DraftTree.chain([item.root_token]) for item in batch]).logits
         for item in batch:
             item.request.num_computed_tokens += item.num_new_tokens
         return logits
 
     def _expand_level(self, shadows: list[Request], expansions: list[_Expansion]) -> None:
-        batch = []
+        batch, trees = [], []
         for shadow, expansion in zip(shadows, expansions):
             shadow.num_computed_tokens = shadow.num_tokens - 1  # the root joins the tree query
-            batch.append(ScheduledRequest(shadow, 1, tree=expansion.query_tree()))
-            self.block_manager.allocate(shadow, batch[-1].num_query_tokens)
-        output = self.runner.execute(batch)
+            trees.append(expansion.query_tree())
+            batch.append(ScheduledRequest(shadow, 1, trees[-1].num_drafts, trees[-1].max_depth))
+            self.block_manager.allocate(shadow, trees[-1].num_nodes)
+        output = self.runner.execute(batch, trees)
         start = 0
-        for item, expansion in zip(batch, expansions):
-            rows = output.logits[start : start + item.num_query_tokens]
+        for tree, expansion in zip(trees, expansions):
+            rows = output.logits[start : start + tree.num_nodes]
             expansion.grow(expansion.frontier, rows[expansion.frontier_rows()])
-            start += item.num_query_tokens
+            start += tree.num_nodes
 
     def _make_room(self, requests: list[DraftRequest], shadows: list[Request],
-                   extra: Callable[[DraftRequest], int] = lambda r: r.num_tokens) -> list[int]:
+                   extra: Callable[[DraftRequest], int] = lambda r: r.max_depth) -> list[int]:
         """Indices of requests whose drafts fit in the draft KV pool this step.
 
         Shadows of requests not in this batch (preempted or waiting in the target) are
@@ -234,13 +223,13 @@ def resolve_draft_dir(name: str) -> Path:
     return resolve_model(name)
 
 
-def check_compatible(engine: LLMEngine, draft: LlamaForCausalLM, draft_dir: Path) -> None:
-    target_vocab = engine.model_config.vocab_size
+def check_compatible(context: DrafterContext, draft: LlamaForCausalLM, draft_dir: Path) -> None:
+    target_vocab = context.target.config.vocab_size
     if draft.config.vocab_size != target_vocab:
         raise ValueError(f"draft model {draft_dir} has vocab size {draft.config.vocab_size}, "
                          f"the target has {target_vocab}: they must share one tokenizer")
     if (draft_dir / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
 
-        if AutoTokenizer.from_pretrained(str(draft_dir)).get_vocab() != engine.tokenizer.get_vocab():
+        if AutoTokenizer.from_pretrained(str(draft_dir)).get_vocab() != context.tokenizer.get_vocab():
             raise ValueError(f"draft model {draft_dir} uses a different tokenizer than the target")

@@ -1,17 +1,11 @@
 """Builds the drafter that a speculative_config names."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from specdec.drafters.base import Drafter
-
-if TYPE_CHECKING:
-    from specdec.engine import LLMEngine
+from specdec.drafters.base import Drafter, DrafterContext
 
 
-def build_drafter(engine: LLMEngine) -> Drafter:
-    spec = engine.config.speculative_config
-    assert spec is not None
+def build_drafter(context: DrafterContext) -> Drafter:
+    spec = context.spec
     if spec.method == "ngram":
         from specdec.drafters.ngram import NgramDrafter
 
@@ -19,9 +13,9 @@ def build_drafter(engine: LLMEngine) -> Drafter:
     if spec.method == "draft_model":
         from specdec.drafters.draft_model import DraftModelDrafter
 
-        return DraftModelDrafter.from_engine(engine)
+        return DraftModelDrafter.from_context(context)
     if spec.method == "medusa":
         from specdec.drafters.medusa import build_medusa
 
-        return build_medusa(engine)
+        return build_medusa(context)
     raise ValueError(f"unknown speculative method {spec.method!r}")

@@ -12,21 +12,22 @@ tokens guessed before it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from specdec.drafters import recurrent_heads
-from specdec.drafters.base import Draft, Drafter, DraftRequest
+from specdec.drafters.base import Drafter, DrafterContext, DraftRequest
 from specdec.drafters.recurrent_drafter import RecurrentDrafter
-from specdec.drafters.tree import DEFAULT_CHOICES, Choice, DraftTree
+from specdec.drafters.tree_choices import DEFAULT_CHOICES, Choice, tree_from_choices
 from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
+from specdec.tree import DraftTree
 
 if TYPE_CHECKING:
-    from specdec.engine import LLMEngine
     from specdec.models import LlamaForCausalLM
 
 SHIPPED = Path(__file__).parent / "weights"
@@ -52,7 +53,8 @@ class MedusaHeads(torch.nn.Module):
         return self.compute_logits(states.reshape(-1, states.shape[-1])).view(self.num_heads, hidden.shape[0], -1)
 
 
-def load_heads(path: Path, lm_head: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> MedusaHeads:
+def load_heads(path: Path, lm_head: torch.Tensor,
+               compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> MedusaHeads:
     config = json.loads((path / "medusa_config.json").read_text())
     tensors = load_file(str(path / "medusa_heads.safetensors"))
     n = config["num_heads"]
@@ -64,29 +66,30 @@ def load_heads(path: Path, lm_head: torch.Tensor, compute_logits: Callable[[torc
     return MedusaHeads(weights, biases, compute_logits)
 
 
-def _recurrent(engine: LLMEngine, path: Path, choices: list[Choice], dynamic: bool) -> Drafter:
-    model = engine.model
+def _recurrent(context: DrafterContext, path: Path, choices: list[Choice], dynamic: bool) -> Drafter:
+    model = context.target
+    branching = context.spec.num_tree_nodes > 0
     heads, vocab = recurrent_heads.load(path, model.embed_tokens.dtype)
     if heads.mix.in_features != 2 * model.embed_tokens.shape[1]:
         raise ValueError(f"recurrent Medusa heads in {path} have hidden size {heads.mix.in_features // 2}, "
                          f"the target has {model.embed_tokens.shape[1]}")
-    heads.use(model.linear)
+    heads.use(model.linear_backend)
     if vocab is None:
-        return RecurrentDrafter(heads, model.embed_tokens, model.compute_logits, choices, dynamic=dynamic)
+        return RecurrentDrafter(heads, model.embed_tokens, model.compute_logits, choices, dynamic=dynamic,
+                                branching=branching)
     if int(vocab.max()) >= model.embed_tokens.shape[0] or int(vocab.min()) < 0:
         raise ValueError(f"the draft vocabulary in {path} has token ids outside the target's "
                          f"[0, {model.embed_tokens.shape[0]})")
-    return RecurrentDrafter(heads, model.embed_tokens, _lm_head_over(model, vocab), choices, vocab, dynamic)
+    return RecurrentDrafter(heads, model.embed_tokens, _lm_head_over(model, vocab), choices, vocab, dynamic, branching)
 
 
 def _lm_head_over(model: LlamaForCausalLM, vocab: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """The target's LM head over the rows `vocab` only ([N, H] -> [N, Vd] float32), on the
     target's linear backend."""
     weight = model.lm_head_weight[vocab]  # [Vd, H]
-    if model.linear is None:
-        return lambda hidden: F.linear(hidden, weight).float()
-    backend, packed = model.linear, model.linear.prepare(weight)
-    return lambda hidden: backend.apply(hidden, packed)
+    backend = model.linear_backend
+    packed = backend.prepare(weight)
+    return lambda hidden: backend.apply(hidden, packed).float()
 
 
 def resolve_heads_dir(name: str | None) -> Path:
@@ -104,48 +107,49 @@ def _measured_choices(path: Path) -> list[list[int]]:
     return choices
 
 
-def build_medusa(engine: LLMEngine) -> Drafter:
+def build_medusa(context: DrafterContext) -> Drafter:
     """The drafter of `method: "medusa"`: Medusa-1 heads, or recurrent ones when the
     heads' medusa_config.json says `"head_type": "recurrent"` (recurrent_heads.py).
 
     Medusa-1 trees are static (`tree_choices`). Recurrent heads draft EAGLE-2 dynamic
     trees unless the speculative config gives `tree_choices`: their guesses follow
     their own path, so the best nodes differ from step to step."""
-    spec = engine.config.speculative_config
-    assert spec is not None
+    spec = context.spec
     path = resolve_heads_dir(spec.model)
     choices = [tuple(c) for c in spec.tree_choices or _measured_choices(path)] or DEFAULT_CHOICES
     if json.loads((path / "medusa_config.json").read_text()).get("head_type") == recurrent_heads.HEAD_TYPE:
-        return _recurrent(engine, path, choices, dynamic=spec.tree_choices is None)
-    return MedusaDrafter(load_heads(path, engine.model.lm_head_weight, engine.model.compute_logits), choices)
+        return _recurrent(context, path, choices, dynamic=spec.tree_choices is None)
+    heads = load_heads(path, context.target.lm_head_weight, context.target.compute_logits)
+    return MedusaDrafter(heads, choices, branching=spec.num_tree_nodes > 0)
 
 
 class MedusaDrafter(Drafter):
-    def __init__(self, heads: MedusaHeads, choices: list[Choice]) -> None:
+    def __init__(self, heads: MedusaHeads, choices: list[Choice], branching: bool) -> None:
         self.heads = heads
         self.choices = choices
+        self.branching = branching  # static trees from `choices` instead of chains
         self.top_k = 1 + max((max(c) for c in choices if c), default=0)
 
     @torch.inference_mode()
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         ready = [i for i, r in enumerate(requests) if r.hidden is not None]
-        drafts = [Draft([]) for _ in requests]
+        drafts = [DraftTree.chain([r.token_ids[-1]]) for r in requests]
         if not ready:
             return drafts
-        logits = self.heads(torch.stack([requests[i].hidden for i in ready]))  # type: ignore[misc]
+        logits = self.heads(torch.stack([requests[i].target_hidden() for i in ready]))
         for row, i in enumerate(ready):
             drafts[i] = self._draft(requests[i], logits[:, row])
         return drafts
 
-    def _draft(self, request: DraftRequest, logits: torch.Tensor) -> Draft:  # logits [heads, V]
-        depth = min(request.num_tokens, self.heads.num_heads)
+    def _draft(self, request: DraftRequest, logits: torch.Tensor) -> DraftTree:  # logits [heads, V]
+        depth = min(request.max_depth, self.heads.num_heads)
         logits = logits[:depth]
-        if request.max_nodes:
+        root = request.token_ids[-1]
+        if self.branching:
             top = logits.topk(self.top_k, dim=-1).indices.tolist()  # [depth, top_k]
-            tree = DraftTree.from_choices(request.token_ids[-1], top, self.choices)
-            return Draft([], tree=tree.prune(request.max_nodes, depth))
+            return tree_from_choices(root, top, self.choices).prune(request.num_draft_tokens, depth)
         if request.sampling_params.greedy:
-            return Draft(logits.argmax(-1).tolist())
+            return DraftTree.chain([root, *logits.argmax(-1).tolist()])
         st = SamplingTensors.from_params([request.sampling_params] * depth, [None] * depth)
         probs = logits_to_probs(logits, st)  # [depth, V]
-        return Draft(sample_probs(probs, st.generators).tolist(), probs)
+        return DraftTree.chain([root, *sample_probs(probs, st.generators).tolist()], probs)

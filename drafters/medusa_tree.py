@@ -13,7 +13,7 @@ from collections import Counter
 
 import torch
 
-from specdec.drafters.tree import Choice
+from specdec.drafters.tree_choices import Choice
 
 
 def rank_prefix_counts(ranks: torch.Tensor,  # [N, heads] int64, K = not in the top-K

@@ -1,7 +1,8 @@
 """Prompt-lookup drafting: continue the longest recent n-gram match in the context."""
 from __future__ import annotations
 
-from specdec.drafters.base import Draft, Drafter, DraftRequest
+from specdec.drafters.base import Drafter, DraftRequest
+from specdec.tree import DraftTree
 
 
 class NgramIndex:
@@ -45,15 +46,15 @@ class NgramDrafter(Drafter):
         self.max_n = prompt_lookup_max
         self.indexes: dict[str, NgramIndex] = {}
 
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         return [self._propose_one(r) for r in requests]
 
-    def _propose_one(self, request: DraftRequest) -> Draft:
+    def _propose_one(self, request: DraftRequest) -> DraftTree:
         index = self.indexes.get(request.request_id)
         if index is None:
             index = self.indexes[request.request_id] = NgramIndex(self.min_n, self.max_n)
         index.extend(request.token_ids)
-        return Draft(index.lookup(request.token_ids, request.num_tokens))
+        return DraftTree.chain([request.token_ids[-1], *index.lookup(request.token_ids, request.max_depth)])
 
     def free(self, request_id: str) -> None:
         self.indexes.pop(request_id, None)

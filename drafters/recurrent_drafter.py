@@ -8,7 +8,7 @@ across the whole batch. Trees come in two kinds:
   (r1, ..., rd) holds the rank-rd token of the step run on its parent's path, so unlike
   Medusa-1 a node's token depends on its parent's token;
 - dynamic (EAGLE-2): each depth expands the few nodes of highest cumulative draft
-  log-probability, and the tree keeps the max_nodes best of all candidates. The heads
+  log-probability, and the tree keeps the num_draft_tokens best of all candidates. The heads
   are trained toward the target's distribution, so their probabilities rank well.
 """
 from __future__ import annotations
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from specdec.drafters.base import Draft, Drafter, DraftRequest
+
+from specdec.drafters.base import Drafter, DraftRequest
 from specdec.drafters.recurrent_heads import RecurrentHeads
-from specdec.drafters.tree import Candidate, Choice, DraftTree, expand_layer
-
+from specdec.drafters.tree_choices import Choice
 from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
-
+from specdec.tree import Candidate, DraftTree, expand_layer
 
 DYNAMIC_WIDTH = 10  # nodes expanded per depth, and children considered per node (EAGLE-2's top-k)
 
@@ -59,7 +59,7 @@ class _Node:
 class RecurrentDrafter(Drafter):
     def __init__(self, heads: RecurrentHeads, embedding: torch.Tensor,
                  compute_logits: Callable[[torch.Tensor], torch.Tensor], choices: Sequence[Choice],
-                 vocab: torch.Tensor | None = None, dynamic: bool = False) -> None:
+                 vocab: torch.Tensor | None = None, dynamic: bool = False, branching: bool = False) -> None:
         self.heads = heads
         self.embedding = embedding  # [V, H] the target's input embedding
         # The target's LM head restricted to the draft vocabulary: [N, H] -> [N, Vd] float32
@@ -68,18 +68,15 @@ class RecurrentDrafter(Drafter):
         self.choices = list(choices)
         self.top_k = 1 + max((max(c) for c in self.choices if c), default=0)
         self.dynamic = dynamic  # trees: EAGLE-2 dynamic ones instead of `choices`
+        self.branching = branching  # trees (static or dynamic) instead of chains
 
     @torch.inference_mode()
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        drafts = [Draft([]) for _ in requests]
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        drafts = [DraftTree.chain([r.token_ids[-1]]) for r in requests]
         ready = [i for i, r in enumerate(requests) if r.hidden is not None]
-        trees = [i for i in ready if requests[i].max_nodes]
-        chains = [i for i in ready if not requests[i].max_nodes]
-        build = self._dynamic_trees if self.dynamic else self._trees
-        for i, tree in zip(trees, build([requests[i] for i in trees])):
-            drafts[i] = Draft([], tree=tree)
-        for i, draft in zip(chains, self._chains([requests[i] for i in chains])):
-            drafts[i] = draft
+        build = self._chains if not self.branching else self._dynamic_trees if self.dynamic else self._trees
+        for i, tree in zip(ready, build([requests[i] for i in ready])):
+            drafts[i] = tree
         return drafts
 
     def _advance(self, states: torch.Tensor, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,15 +94,15 @@ class RecurrentDrafter(Drafter):
     def _depth(request: DraftRequest) -> int:
         # The one block unrolls to any depth (as ReDrafter's beams do), past the
         # heads.num_steps it was trained on too; later guesses are just less often right.
-        return request.num_tokens
+        return request.max_depth
 
     # ---- chains ---------------------------------------------------------------------
 
-    def _chains(self, requests: list[DraftRequest]) -> list[Draft]:
+    def _chains(self, requests: list[DraftRequest]) -> list[DraftTree]:
         if not requests:
             return []
         depths = [self._depth(r) for r in requests]
-        states = torch.stack([r.hidden for r in requests])  # type: ignore[misc]  # [B, H]
+        states = torch.stack([r.target_hidden() for r in requests])  # [B, H]
         tokens = [r.token_ids[-1] for r in requests]
         drafted: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
@@ -116,7 +113,8 @@ class RecurrentDrafter(Drafter):
             for row, i in enumerate(live):
                 tokens[i] = self._pick(requests[i], logits[row], probs[i])
                 drafted[i].append(tokens[i])
-        return [Draft(d, torch.stack(p) if p else None) for d, p in zip(drafted, probs)]
+        return [DraftTree.chain([r.token_ids[-1], *d], torch.stack(p) if p else None)
+                for r, d, p in zip(requests, drafted, probs)]
 
     def _pick(self, request: DraftRequest, logits: torch.Tensor, probs: list[torch.Tensor]) -> int:
         """The next draft token from one [Vd] row: argmax when greedy, else a sample whose
@@ -136,17 +134,18 @@ class RecurrentDrafter(Drafter):
 
     def _trees(self, requests: list[DraftRequest]) -> list[DraftTree]:
         plans = [self._plan(r) for r in requests]
-        nodes = [[_Node(r.token_ids[-1], -1, (), r.hidden)] for r in requests]  # type: ignore[arg-type]
+        nodes = [[_Node(r.token_ids[-1], -1, (), r.target_hidden())] for r in requests]
         for depth in range(1, 1 + max((max(map(len, p), default=0) for p in plans), default=0)):
             self._grow(nodes, plans, depth)
         return [DraftTree([n.token for n in ns], [n.parent for n in ns]) for ns in nodes]
 
     def _dynamic_trees(self, requests: list[DraftRequest]) -> list[DraftTree]:
-        growths = [_Growth(r.token_ids[-1], self._depth(r), min(DYNAMIC_WIDTH, r.max_nodes),
-                           states=[r.hidden]) for r in requests]  # type: ignore[list-item]
+        growths = [_Growth(r.token_ids[-1], self._depth(r), min(DYNAMIC_WIDTH, r.num_draft_tokens),
+                           states=[r.target_hidden()]) for r in requests]
         for depth in range(1, 1 + max((g.depth for g in growths), default=0)):
             self._expand([g for g in growths if g.depth >= depth])
-        return [DraftTree.from_expansion(g.root, g.candidates, r.max_nodes) for g, r in zip(growths, requests)]
+        return [DraftTree.from_expansion(g.root, g.candidates, r.num_draft_tokens)
+                for g, r in zip(growths, requests)]
 
     def _expand(self, growths: list[_Growth]) -> None:
         """One depth of every growing tree: run its frontier, add each frontier node's
@@ -168,11 +167,11 @@ class RecurrentDrafter(Drafter):
             start = end
 
     def _plan(self, request: DraftRequest) -> list[Choice]:
-        """The request's choices, parents first: the first max_nodes (in priority order)
+        """The request's choices, parents first: the first num_draft_tokens (in priority order)
         within its depth whose parent is kept too."""
         kept: list[Choice] = []
         for choice in self.choices:
-            if len(kept) == request.max_nodes:
+            if len(kept) == request.num_draft_tokens:
                 break
             if len(choice) <= self._depth(request) and (len(choice) == 1 or choice[:-1] in kept):
                 kept.append(choice)

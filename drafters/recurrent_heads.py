@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdec.models.linear import LinearBackend
+from specdec.kernels.linear import LinearBackend
 
 CONFIG = "medusa_config.json"
 WEIGHTS = "medusa_heads.safetensors"

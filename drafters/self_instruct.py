@@ -23,19 +23,19 @@ MIN_PROMPT_CHARS = 16
 MAX_FRUITLESS_BATCHES = 20
 
 
-def user_turn_prefix(tokenizer) -> str:
+def user_turn_prefix(tokenizer: Any) -> str:
     """The chat template rendered up to where a user's message would begin."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
+    text: str = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
     return text[:text.index(_SENTINEL)]
 
 
-def end_of_turn_id(tokenizer, model) -> int:
+def end_of_turn_id(tokenizer: Any, model: Any) -> int:
     """The token that closes a user turn: the template's end marker, else EOS."""
     for marker in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
         token_id = tokenizer.convert_tokens_to_ids(marker)
         if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
             return token_id
-    return model.config.eos_token_id
+    return int(model.config.eos_token_id)
 
 
 def keep(message: str, seen: set[str]) -> bool:
@@ -44,7 +44,7 @@ def keep(message: str, seen: set[str]) -> bool:
 
 
 @torch.inference_mode()
-def sample_batch(model, tokenizer, batch_size: int, temperature: float) -> list[str]:
+def sample_batch(model: Any, tokenizer: Any, batch_size: int, temperature: float) -> list[str]:
     """One batch of user messages; those that did not end their turn are dropped."""
     prefix = tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False, return_tensors="pt")
     end_id = end_of_turn_id(tokenizer, model)
@@ -61,7 +61,7 @@ def sample_batch(model, tokenizer, batch_size: int, temperature: float) -> list[
     return messages
 
 
-def sample_prompts(model, tokenizer, count: int, seed: int, temperature: float = 1.0,
+def sample_prompts(model: Any, tokenizer: Any, count: int, seed: int, temperature: float = 1.0,
                    batch_size: int = 64, progress: bool = True) -> list[str]:
     """`count` distinct user messages, deterministic for a given seed and model."""
     from tqdm import tqdm
@@ -89,7 +89,8 @@ def cached_prompts(path: Path, load: Callable[[], tuple[Any, Any]], count: int,
     """The prompts stored at `path`, sampling and storing them first if absent
     (`load` returns the (model, tokenizer) to sample with; called only then)."""
     if path.exists():
-        return json.loads(path.read_text())
+        cached: list[str] = json.loads(path.read_text())
+        return cached
     prompts = sample_prompts(*load(), count, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".tmp").write_text(json.dumps(prompts, indent=0))

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-from specdec.drafters import distill_data as dd
 
+from specdec.drafters import distill_data as dd
 from specdec.model_registry import resolve_model
 
 # ---------------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def build_draft(target, layer_ids: list[int]):
     cfg_dict = target.config.to_dict()
     cfg_dict["num_hidden_layers"] = len(layer_ids)
     cfg_dict.pop("layer_types", None)  # per-layer list sized for the target
-    draft = LlamaForCausalLM(LlamaConfig(**cfg_dict)).to(torch.float32)
+    draft = LlamaForCausalLM(LlamaConfig(**cfg_dict)).float()
     for j, i in enumerate(layer_ids):
         draft.model.layers[j].load_state_dict(target.model.layers[i].state_dict())
     draft.model.norm.load_state_dict(target.model.norm.state_dict())
@@ -156,7 +156,8 @@ def draft_hidden(draft, records: list[dict]) -> torch.Tensor:
 def record_batches(records: list[dict], max_tokens: int) -> list[list[dict]]:
     """Records grouped by length into batches of at most ~max_tokens padded tokens."""
     order = sorted(records, key=lambda r: len(r["tokens"]))
-    batches, cur = [], []
+    batches: list[list[dict]] = []
+    cur: list[dict] = []
     for r in order:
         if cur and len(r["tokens"]) * (len(cur) + 1) > max_tokens:
             batches.append(cur)

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from specdec.drafters import distill_data as dd
 from specdec.drafters.medusa_tree import best_choices, expected_accepted
-from specdec.drafters.tree import Choice
 from specdec.drafters.train_draft import (
     chain_stats,
     lr_at,
@@ -34,9 +34,8 @@ from specdec.drafters.train_draft import (
     setup_threads,
     soft_cross_entropy,
 )
-
+from specdec.drafters.tree_choices import Choice
 from specdec.model_registry import resolve_model
-
 
 TREE_SIZES = (4, 8, 16, 24, 32, 48, 64)
 
@@ -46,10 +45,11 @@ class MedusaHeads(torch.nn.Module):
 
     def __init__(self, num_heads: int, hidden: int) -> None:
         super().__init__()
-        self.heads = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(num_heads))
-        for head in self.heads:  # zero init: each head starts as the identity
+        linears = [torch.nn.Linear(hidden, hidden) for _ in range(num_heads)]
+        for head in linears:  # zero init: each head starts as the identity
             torch.nn.init.zeros_(head.weight)
             torch.nn.init.zeros_(head.bias)
+        self.heads = torch.nn.ModuleList(linears)
 
     def forward(self, h: torch.Tensor) -> list[torch.Tensor]:
         return [h + F.silu(head(h)) for head in self.heads]
@@ -69,7 +69,7 @@ class FlatData:
         self.top_idx = torch.cat([r["top_idx"] for r in records])
         # The token actually generated at each row (for accuracy).
         self.token = torch.cat([r["tokens"][r["prompt_len"]:] for r in records]).long()
-        futures = [[] for _ in range(num_heads)]
+        futures: list[list[torch.Tensor]] = [[] for _ in range(num_heads)]
         start = 0
         for r in records:
             c = len(r["top_idx"])
@@ -160,6 +160,7 @@ def save_heads(model: MedusaHeads, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for i, head in enumerate(model.heads):
+        assert isinstance(head, torch.nn.Linear)
         tensors[f"heads.{i}.weight"] = head.weight.detach().to(torch.float16).contiguous()
         tensors[f"heads.{i}.bias"] = head.bias.detach().to(torch.float16).contiguous()
     save_file(tensors, str(out / "medusa_heads.safetensors"), metadata={"format": "pt"})

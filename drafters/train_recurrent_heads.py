@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from specdec.drafters import distill_data as dd
 from specdec.drafters import recurrent_heads
 from specdec.drafters.medusa_tree import best_choices

@@ -4,7 +4,7 @@ Speculation pays only if verifying 1 + k tokens costs little more than decoding 
 measures, for one request through the engine's own paged-KV path (ModelRunner.execute:
 metadata, forward, LM head on every query row), the forward time for several query
 lengths at several context lengths, with every linear backend of
-specdec/models/linear.py. It also times each projection of the model alone
+kernels/linear.py. It also times each projection of the model alone
 (micro-benchmark) and checks batch invariance: whether the logits of a verify forward
 over q tokens equal, bit for bit, those of q one-token decode steps (what lossless greedy
 speculation relies on).
@@ -36,21 +36,17 @@ from torch import Tensor
 
 from specdec.allocator import keep_freed_memory
 from specdec.config import EngineConfig
+from specdec.kernels.attention import make_attention_backend
+from specdec.kernels.linear import LinearBackend, available_linear_backends, get_linear_backend
 from specdec.model_registry import DEFAULT_MODEL, resolve_model
 from specdec.model_runner import KVCache, ModelRunner
 from specdec.models import LlamaForCausalLM, load_model
-from specdec.models.linear import (
-    LinearBackend,
-    PackedWeights,
-    available_linear_backends,
-    get_linear_backend,
-    install_packed_weights,
-    pack_model,
-)
+from specdec.models.linear import PackedWeights, install_linears, pack_linears
 from specdec.models.llama import LlamaDecoderLayer
 from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest
+from specdec.tree import DraftTree
 
 BLOCK_SIZE = 16
 
@@ -135,25 +131,29 @@ class VerifyRig:
         self.tokens = torch.randint(3, mc.vocab_size, (max_tokens,), generator=gen).tolist()
         self.block_table = list(range(num_blocks))
 
-    def batch(self, context: int, num_query: int) -> list[ScheduledRequest]:
+    def batch(self, context: int, num_query: int) -> tuple[list[ScheduledRequest], list[DraftTree]]:
+        """One decoding request after `context` cached tokens, verifying a chain of
+        num_query - 1 drafts."""
         request = Request("bench", self.tokens[: context + 1], SamplingParams(temperature=0.0), None,
                           1, set())
         request.num_computed_tokens = context
         request.block_table = self.block_table
-        drafts = self.tokens[context + 1 : context + num_query]
-        return [ScheduledRequest(request, 1, num_lookahead=len(drafts), draft_token_ids=drafts)]
+        chain = DraftTree.chain(self.tokens[context : context + num_query])
+        return [ScheduledRequest(request, 1, chain.num_drafts, chain.max_depth)], [chain]
 
     def step(self, context: int, num_query: int) -> torch.Tensor:  # [num_query, V] logits
-        return self.runner.execute(self.batch(context, num_query)).logits
+        return self.runner.execute(*self.batch(context, num_query)).logits
 
 
 def bench_model(rig: VerifyRig, packed: dict[str, PackedWeights], args: argparse.Namespace
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """ms per forward: (medians, mins), each backend -> context -> query length."""
+    attention_backends = {name: make_attention_backend(name, "cpu") for name in args.attention_backends}
+
     def install(p: PackedWeights, attention: str) -> Callable[[], None]:
         def setup() -> None:
-            install_packed_weights(rig.model, p)
-            rig.runner.config.attention_backend = attention
+            install_linears(rig.model, p)
+            rig.model.attention_backend = attention_backends[attention]
         return setup
 
     def step(context: int, q: int) -> Callable[[], Tensor]:
@@ -179,7 +179,7 @@ def check_invariance(rig: VerifyRig, packed: dict[str, PackedWeights], context: 
     """Verify-forward logits over num_query tokens vs num_query one-token decode steps."""
     out: dict[str, Any] = {}
     for name, p in packed.items():
-        install_packed_weights(rig.model, p)
+        install_linears(rig.model, p)
         decode = torch.cat([rig.step(context + i, 1) for i in range(num_query)])
         verify = rig.step(context, num_query)
         diff = (verify - decode).abs().max().item()
@@ -198,11 +198,12 @@ def check_accuracy(rig: VerifyRig, packed: dict[str, PackedWeights], model_dir: 
     # Every prompt row gets logits: the prompt's tail goes in as "drafts" after its first token.
     request = Request("accuracy", ids[:1], SamplingParams(temperature=0.0), None, 1, set())
     request.block_table = rig.block_table
-    batch = [ScheduledRequest(request, 1, num_lookahead=len(ids) - 1, draft_token_ids=ids[1:])]
+    chain = DraftTree.chain(ids)
+    batch = [ScheduledRequest(request, 1, chain.num_drafts, chain.max_depth)]
     logits = {}
     for name, p in packed.items():
-        install_packed_weights(rig.model, p)
-        logits[name] = rig.runner.execute(batch).logits
+        install_linears(rig.model, p)
+        logits[name] = rig.runner.execute(batch, [chain]).logits
     ref = logits.get("fp32", next(iter(logits.values())))
     return {name: {"rel_err": float((got - ref).norm() / ref.norm()),
                    "top1_agree": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
@@ -220,8 +221,8 @@ def model_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, int]]:
 def _weights(model: LlamaForCausalLM) -> dict[str, Tensor]:  # projection -> fp32 [out, in]
     layer = model.layers[0]
     assert isinstance(layer, LlamaDecoderLayer)
-    return {"qkv": layer.qkv_proj, "o": layer.o_proj, "gate_up": layer.gate_up_proj,
-            "down": layer.down_proj, "lm_head": model.lm_head_weight}
+    return {"qkv": layer.qkv_proj.weight, "o": layer.o_proj.weight, "gate_up": layer.gate_up_proj.weight,
+            "down": layer.down_proj.weight, "lm_head": model.lm_head_weight}
 
 
 def bench_micro(model: LlamaForCausalLM, backends: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report["shapes"] = shapes
             sections.append("## one projection alone\n\n" + micro_tables(report["micro_us"], shapes, args))
         if not (args.skip_model and args.skip_invariance):
-            packed = {name: pack_model(model, name) for name in backends}
+            packed = {name: pack_linears(model, get_linear_backend(name)) for name in backends}
             rig = VerifyRig(model, max(args.context_lens) + max(args.query_lens) + 1)
             if not args.skip_invariance:
                 context, q = args.context_lens[0], 9

@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import load_prompts, markdown_table, timed  # noqa: E402
-
-from specdec.llm import LLM  # noqa: E402
-from specdec.model_registry import DEFAULT_MODEL  # noqa: E402
-from specdec.model_runner import KVCache  # noqa: E402
-from specdec.sampling_params import SamplingParams  # noqa: E402
+from specdec.evals.common import load_prompts, markdown_table, timed
+from specdec.llm import LLM
+from specdec.model_registry import DEFAULT_MODEL
+from specdec.model_runner import KVCache
+from specdec.sampling_params import SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 HEADERS = ["KV dtype", "bytes/token", "tokens/GiB", "vs fp32", "identical outputs", "common prefix",

@@ -13,6 +13,7 @@ to compare them side by side.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import statistics
@@ -22,11 +23,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import INPUT_GROUNDED, load_prompts, markdown_table, mean, timed  # noqa: E402
-
-from specdec import LLM, SamplingParams  # noqa: E402
-from specdec.model_registry import DEFAULT_MODEL  # noqa: E402
+from specdec.evals.common import ALL_CATEGORIES, INPUT_GROUNDED, load_prompts, markdown_table, mean, timed
+from specdec.llm import LLM
+from specdec.metrics import EngineMetrics
+from specdec.model_registry import DEFAULT_MODEL
+from specdec.sampling_params import SamplingParams
 
 DRAFT_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-draft"
 MEDUSA_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-medusa"
@@ -102,11 +103,10 @@ def build_runners(args: argparse.Namespace) -> dict[str, Any]:
 def run_one(runner: Any, ids: list[int], max_tokens: int) -> tuple[int, dict[str, Any]]:
     if isinstance(runner, HFRunner):
         return runner.generate(ids, max_tokens), {}
-    before = runner.get_metrics()
+    before = EngineMetrics.from_dict(runner.get_metrics())
     out = runner.generate([ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
-    after = runner.get_metrics()
-    delta = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    return len(out.outputs[0].token_ids), delta
+    delta = EngineMetrics.from_dict(runner.get_metrics()) - before
+    return len(out.outputs[0].token_ids), delta.counters()
 
 
 def bench_batch1(args: argparse.Namespace, runners: dict[str, Any]) -> list[dict[str, Any]]:
@@ -117,7 +117,7 @@ def bench_batch1(args: argparse.Namespace, runners: dict[str, Any]) -> list[dict
         for text in load_prompts(category, args.num_prompts):
             ids = chat.apply_chat_template([{"role": "user", "content": text}])
             for method in args.methods:  # alternate methods on every prompt
-                (tokens, delta), seconds = timed(lambda: run_one(runners[method], ids, args.max_tokens))
+                (tokens, delta), seconds = timed(functools.partial(run_one, runners[method], ids, args.max_tokens))
                 s = stats[method]
                 s["tokens"] += tokens
                 s["seconds"] += seconds
@@ -157,7 +157,7 @@ def bench_concurrency(args: argparse.Namespace, runners: dict[str, Any]) -> list
     for _ in range(args.rounds):
         for concurrency in args.concurrency:
             for method in methods:
-                outs, seconds = timed(lambda: serve_in_waves(runners[method], prompts, params, concurrency))
+                outs, seconds = timed(functools.partial(serve_in_waves, runners[method], prompts, params, concurrency))
                 row = totals.setdefault((concurrency, method), {
                     "concurrency": concurrency, "method": method, "requests": 0, "tokens": 0, "prompt_tokens": 0,
                     "seconds": 0.0})
@@ -192,10 +192,11 @@ def bench_ttft(args: argparse.Namespace, runners: dict[str, Any]) -> list[dict[s
         for length in args.ttft_lens:
             prompt = (ids * (1 + length // len(ids)))[:length]
             for method in methods:
-                _, took = timed(lambda: runners[method].generate([prompt], params))
+                _, took = timed(functools.partial(runners[method].generate, [prompt], params))
                 seconds.setdefault((length, method), []).append(took)
-    results = [{"prompt_tokens": length, "method": method, "min_ms": 1e3 * min(times),
-                "median_ms": 1e3 * statistics.median(times)} for (length, method), times in seconds.items()]
+    results: list[dict[str, Any]] = [
+        {"prompt_tokens": length, "method": method, "min_ms": 1e3 * min(times),
+         "median_ms": 1e3 * statistics.median(times)} for (length, method), times in seconds.items()]
     for r in results:
         plain = seconds.get((r["prompt_tokens"], "plain"))
         r["vs_plain"] = min(plain) * 1e3 / r["min_ms"] if plain else float("nan")
@@ -226,8 +227,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--methods", default="hf,plain,ngram", type=lambda s: s.split(","))
-    parser.add_argument("--categories", default="summarization,rag,code:rewrite,code:complete,qa,math_reasoning,translation,mt_bench",
-                        type=lambda s: s.split(","))
+    parser.add_argument("--categories", default=",".join(ALL_CATEGORIES), type=lambda s: s.split(","))
     parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -262,7 +262,8 @@ def main() -> None:
         report["concurrency"] = bench_concurrency(args, runners)
         print()
         print(markdown_table(["concurrency", "method", "requests", "output tokens", "prompt tokens", "seconds",
-                              "output tok/s", "prompt+output tok/s", "vs plain", f"vs concurrency {args.concurrency[0]}"],
+                              "output tok/s", "prompt+output tok/s", "vs plain",
+                              f"vs concurrency {args.concurrency[0]}"],
                              [[r["concurrency"], r["method"], r["requests"], r["tokens"], r["prompt_tokens"],
                                r["seconds"], r["tokens_per_s"], r["total_tokens_per_s"], r["vs_plain"],
                                r["vs_first_level"]] for r in report["concurrency"]]))

@@ -35,35 +35,12 @@ from urllib.parse import urlparse
 
 import httpx
 
+from specdec.evals.sse_client import event_text, stream
+
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
-BUILTIN_PROMPTS = [
-    "What is the capital of France? Answer in one sentence.",
-    "Explain speculative decoding to a high-school student in three sentences.",
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    (
-        "Rewrite this function with type hints and a docstring, keeping the body unchanged:\n\n"
-        "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
-        "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
-        "            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n"
-        "    return out\n"
-    ),
-    (
-        "Summarise in two sentences: The Rhine is a river that begins in the Swiss Alps, forms part of the "
-        "Swiss-Austrian, Swiss-Liechtenstein, Swiss-German and Franco-German borders, then flows through the "
-        "Rhineland and the Netherlands before emptying into the North Sea."
-    ),
-    "List five fruits that are red, one per line.",
-    "Translate to French: 'The weather is nice today, so we are going to the park.'",
-    "Convert this list to JSON with keys name and age: Alice 31, Bob 27, Carol 45, Dave 38.",
-    "Write a haiku about the ocean.",
-    "Fix the bug and return the whole corrected code:\n\nfor i in range(10)\n    print(i * 2)\n",
-    "Give three tips for writing clear emails.",
-    "Repeat the following sentence exactly three times: The quick brown fox jumps over the lazy dog.",
-    "What are the differences between a list and a tuple in Python?",
-    "Write a SQL query that counts orders per customer in a table orders(customer_id, id).",
-    "Describe the water cycle in four short steps.",
-    "Continue the sequence with the next five items: Monday, Tuesday, Wednesday,",
-]
+# The default workload when no --dataset is given: short chat tasks of mixed kinds, some
+# input-grounded (rewrite, summarise, fix) where drafting from the prompt pays off.
+BUILTIN_PROMPTS = Path(__file__).resolve().parent / "prompts" / "bench_serving.json"
 
 
 @dataclass
@@ -95,7 +72,7 @@ class Result:
 
 def load_prompts(path: str | None) -> list[dict[str, Any]]:
     if path is None:
-        return [{"prompt": p} for p in BUILTIN_PROMPTS]
+        return [{"prompt": p} for p in json.loads(BUILTIN_PROMPTS.read_text(encoding="utf-8"))]
     rows = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if line.strip():
@@ -134,41 +111,28 @@ def request_body(job: Job, args: argparse.Namespace) -> dict[str, Any]:
 # ---- one request -------------------------------------------------------------------------
 
 
-def _content(chunk: dict[str, Any]) -> str:
-    parts = []
-    for choice in chunk.get("choices") or []:
-        parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-    return "".join(parts)
-
-
 async def send(client: httpx.AsyncClient, job: Job, args: argparse.Namespace) -> Result:
-    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    route = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     result = Result(ok=False)
     start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", path, json=request_body(job, args)) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    result.error = str(chunk["error"].get("message"))
-                    return result
-                if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if _content(chunk):
-                    now = time.perf_counter()
-                    if result.ttft == 0.0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-    except httpx.HTTPError as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
+
+    def on_event(event: dict[str, Any]) -> bool:
+        nonlocal last
+        if event.get("usage"):
+            result.prompt_tokens = event["usage"]["prompt_tokens"]
+            result.output_tokens = event["usage"]["completion_tokens"]
+        if event_text(event):
+            now = time.perf_counter()
+            if result.ttft == 0.0:
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+        return True
+
+    outcome = await stream(client, route, request_body(job, args), on_event)
+    if outcome.error is not None:
+        result.error = outcome.error
         return result
     result.e2e = time.perf_counter() - start
     result.ok = True

@@ -4,13 +4,16 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 # The input-grounded tasks: summarise this text, extract from this text, rewrite
 # this code (code completion is not: its answer is not in the prompt).
 INPUT_GROUNDED = ("summarization", "rag", "code:rewrite")
+# Every category the latency benchmarks run by default, input-grounded first.
+ALL_CATEGORIES = (*INPUT_GROUNDED, "code:complete", "qa", "math_reasoning", "translation", "mt_bench")
 
 
 def load_prompts(category: str, limit: int) -> list[str]:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from specdec.evals.bench_serving import (
     acceptance,
     check_local,
@@ -53,7 +54,7 @@ from specdec.evals.bench_serving import (
     spec_counters,
 )
 from specdec.evals.common import markdown_table
-
+from specdec.evals.sse_client import choice_text, stream
 from specdec.model_registry import DEFAULT_MODEL
 
 WORDS = (
@@ -108,24 +109,15 @@ def plan_request(rng: random.Random, args: argparse.Namespace, model: str) -> Pl
     return Plan("/v1/chat/completions" if chat else "/v1/completions", body, max_tokens, cancel_after)
 
 
-def _content(choice: dict[str, Any]) -> str:
-    return str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-
-
 def _on_event(outcome: Outcome, event: dict[str, Any], start: float) -> bool:
     """Fold one SSE event into the outcome; True when it carried content."""
-    if "error" in event:
-        error = event["error"]
-        outcome.error = f"stream error event: {error.get('message')}"
-        outcome.server_error = error.get("type") == "server_error"
-        return False
     if event.get("usage"):
         outcome.prompt_tokens = event["usage"]["prompt_tokens"]
         outcome.completion_tokens = event["usage"]["completion_tokens"]
     has_content = False
     for choice in event.get("choices") or []:
         outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
-        has_content = has_content or bool(_content(choice))
+        has_content = has_content or bool(choice_text(choice))
     if has_content and outcome.ttft is None:
         outcome.ttft = time.perf_counter() - start
     return has_content
@@ -134,27 +126,17 @@ def _on_event(outcome: Outcome, event: dict[str, Any], start: float) -> bool:
 async def send(client: httpx.AsyncClient, plan: Plan) -> Outcome:
     outcome = Outcome(plan)
     start = time.perf_counter()
-    chunks, done = 0, False
-    try:
-        async with client.stream("POST", plan.route, json=plan.body) as response:
-            outcome.status = response.status_code
-            if response.status_code != 200:
-                outcome.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
-                outcome.server_error = response.status_code >= 500
-                return outcome
-            async for line in response.aiter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    chunks += _on_event(outcome, json.loads(line[len("data: "):]), start)
-                if plan.cancel_after is not None and chunks >= plan.cancel_after and outcome.finish_reason is None:
-                    outcome.cancelled = True
-                    break  # leaving the block closes the connection mid-stream
-    except httpx.HTTPError as exc:
-        outcome.error = f"{type(exc).__name__}: {exc}"
-        return outcome
-    if not (done or outcome.cancelled or outcome.error):
-        outcome.error = "the stream ended without [DONE]"
+    chunks = 0
+
+    def on_event(event: dict[str, Any]) -> bool:
+        """False (close the stream) once a request planned for cancelling has had its chunks."""
+        nonlocal chunks
+        chunks += _on_event(outcome, event, start)
+        return plan.cancel_after is None or chunks < plan.cancel_after or outcome.finish_reason is not None
+
+    result = await stream(client, plan.route, plan.body, on_event)
+    outcome.status, outcome.cancelled = result.status, result.stopped
+    outcome.error, outcome.server_error = result.error, result.server_error
     return outcome
 
 

@@ -14,21 +14,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_latency import serve_in_waves, workload
-from common import markdown_table
-
-from specdec import LLM, SamplingParams
+from specdec.evals.bench_latency import serve_in_waves, workload
+from specdec.evals.common import ALL_CATEGORIES, markdown_table
 from specdec.kernels import attention_cpu, linear_cpu, rms_norm_cpu, store_kv_cpu
+from specdec.llm import LLM
 from specdec.model_registry import DEFAULT_MODEL
+from specdec.sampling_params import SamplingParams
 
 KERNELS: dict[str, tuple[ModuleType, str]] = {
     "linears": (linear_cpu, "linear_fp16"),
@@ -85,8 +82,7 @@ def profile_level(llm: LLM, prompts: list[list[int]], max_tokens: int, level: in
 def main() -> list[dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--categories", default="summarization,rag,code:rewrite,code:complete,qa,math_reasoning,translation,mt_bench",
-                        type=lambda s: s.split(","))
+    parser.add_argument("--categories", default=",".join(ALL_CATEGORIES), type=lambda s: s.split(","))
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-model-len", type=int, default=2048)

@@ -8,6 +8,10 @@ ancestors among the query tokens). The rows of a request form groups whose commo
 are read once for all of them, so a verify costs little more than a decode and a prefill
 chunk's causal attention reads each key once per group of rows. The kernel is
 row-invariant: speculation stays token-identical to plain decoding.
+
+`CppAttention` is the `cpp` attention backend: this kernel and the C++ K/V store
+(store_kv_cpu.py), each stepping aside to the torch backend's code for what it lacks (a
+head dim it is not built for, non-fp32 queries, fp8 stores).
 """
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.kernels import cpu_build
+from specdec.kernels import cpu_build, store_kv_cpu
+from specdec.kernels.attention_base import AttentionBackend, AttentionPlan
+from specdec.kernels.attention_torch import TorchPlan, paged_attention_torch, plan_torch, store_kv_torch
 from specdec.kernels.kv_cache import FP8, PagedKV
 from specdec.kernels.metadata import AttentionMetadata
 
@@ -29,7 +35,7 @@ _GROUP_ROWS = 32  # rows per group at most: a prefill chunk is split for balance
 
 
 @dataclass
-class _Rows:
+class CppRows:
     """The query rows of a step, as the kernel reads them: [R] each unless noted. Rows
     come in groups, each of one request: the kernel reads the keys every row of a group
     sees once for all of them (a verify's rows, a tree's nodes)."""
@@ -44,10 +50,10 @@ class _Rows:
     head_splits: int  # work items per group: its kv heads in this many shares
 
 
-def supports(query: torch.Tensor, kv: PagedKV) -> bool:
-    """Whether this kernel can run these tensors here (else use the reference); loads it."""
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and kv.k.dtype in _CACHE_DTYPES
-            and _supports_head_dim(query.shape[-1]))
+def supports_cache(kv: PagedKV) -> bool:
+    """Whether the kernel can read this cache here (its device, dtype and head dim); loads it.
+    It also needs float32 queries."""
+    return kv.k.device.type == "cpu" and kv.k.dtype in _CACHE_DTYPES and _supports_head_dim(kv.k.shape[-1])
 
 
 @functools.cache
@@ -66,24 +72,62 @@ def load() -> None:
 
 def builds() -> bool:
     """Whether the kernel builds and loads here (tried once per process; if not, one
-    warning says the torch reference is used instead)."""
-    return cpu_build.builds(_LIBRARY, "the torch reference attention (slower)")
+    warning says the torch attention backend is used instead)."""
+    return cpu_build.builds(_LIBRARY, "the torch attention backend (slower)")
+
+
+@dataclass
+class CppPlan(AttentionPlan):
+    """The kernel's rows, or None where it cannot read the cache (the torch code then
+    runs every layer); the torch plan is built only if some query needs it."""
+
+    rows: CppRows | None
+    block_size: int
+    device: torch.device
+
+    @functools.cached_property
+    def torch_plan(self) -> TorchPlan:
+        return plan_torch(self.meta, self.block_size, self.device)
+
+
+class CppAttention(AttentionBackend[CppPlan]):
+    """The C++ kernels; constructing it builds them (KernelBuildError if they cannot build)."""
+
+    name = "cpp"
+
+    def __init__(self) -> None:
+        load()
+
+    def plan(self, meta: AttentionMetadata, kv: PagedKV) -> CppPlan:
+        rows = plan_rows(meta, kv.k.shape[2]) if supports_cache(kv) else None
+        return CppPlan(meta, rows, kv.block_size, kv.k.device)
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv: PagedKV, plan: CppPlan) -> None:
+        slot_mapping = plan.meta.slot_mapping
+        if store_kv_cpu.supports(key, value, kv, slot_mapping):
+            store_kv_cpu.store_kv_cpu(key, value, kv, slot_mapping)
+        else:
+            store_kv_torch(key, value, kv, slot_mapping)
+
+    def forward(self, query: torch.Tensor, kv: PagedKV, plan: CppPlan, scale: float) -> torch.Tensor:
+        if plan.rows is not None and query.dtype == torch.float32 and query.device.type == "cpu":
+            return paged_attention_cpu(query, kv, plan.rows, scale)
+        return paged_attention_torch(query, kv, plan.torch_plan, scale)
 
 
 def paged_attention_cpu(
     query: torch.Tensor,  # [T, Hq, D] float32
     kv: PagedKV,
-    meta: AttentionMetadata,
+    rows: CppRows,  # from plan_rows for this step and kv's kv heads
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     query = query.contiguous()  # the kernel reads and writes [T, Hq, D] rows densely
     out = torch.empty_like(query)
-    rows = _plan(meta, kv.k.shape[2])
     _attend_rows(query, out, kv, rows, scale)
     return out
 
 
-def _attend_rows(query: torch.Tensor, out: torch.Tensor, kv: PagedKV, rows: _Rows, scale: float) -> None:
+def _attend_rows(query: torch.Tensor, out: torch.Tensor, kv: PagedKV, rows: CppRows, scale: float) -> None:
     tables = rows.tables
     _, block_size, num_kv_heads, head_dim = kv.k.shape
     attend = cpu_build.function(_LIBRARY, "specdec_paged_attention_rows", _ARGTYPES)
@@ -103,15 +147,9 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return tensor.data_ptr()
 
 
-def _plan(meta: AttentionMetadata, num_kv_heads: int) -> _Rows:
-    key = f"cpu:{num_kv_heads}"
-    if key not in meta.plan_cache:
-        meta.plan_cache[key] = _rows(meta, num_kv_heads)
-    rows: _Rows = meta.plan_cache[key]
-    return rows
-
-
-def _rows(meta: AttentionMetadata, num_kv_heads: int) -> _Rows:
+def plan_rows(meta: AttentionMetadata, num_kv_heads: int) -> CppRows:
+    """The step's query rows as the kernel reads them, split into work items for this
+    many threads (the split never changes a bit of the result)."""
     rows: list[int] = []
     prefixes: list[int] = []
     extra_start = [0]
@@ -138,6 +176,6 @@ def _rows(meta: AttentionMetadata, num_kv_heads: int) -> _Rows:
             group_start.append(len(rows))
             group_requests.append(b)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    return _Rows(as_long(rows), as_long(prefixes), as_long(extra_start), as_long(extra), as_long(group_start),
+    return CppRows(as_long(rows), as_long(prefixes), as_long(extra_start), as_long(extra), as_long(group_start),
                  as_long(group_requests), meta.block_tables.to(torch.int32).contiguous(), head_splits)
 

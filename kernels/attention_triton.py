@@ -1,4 +1,5 @@
-"""Triton paged attention and KV-cache store; same semantics as attention_ref.
+"""The `triton` attention backend: paged attention and the KV-cache store as Triton
+kernels, for CUDA tensors (and CPU tensors under TRITON_INTERPRET=1, for tests).
 
 The attention kernel runs one program per (query tile, kv head). A query tile is up to
 BLOCK_Q consecutive query tokens of one request; its rows are those tokens times the
@@ -11,11 +12,13 @@ kv_cache.py): K/V tiles are upcast (fp8: times their scales) as they are loaded.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from specdec.kernels.attention_base import AttentionBackend, AttentionPlan
 from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
 
@@ -207,12 +210,38 @@ def _tile_index(
     return to_dev(reqs), to_dev(starts)
 
 
+@dataclass
+class TritonPlan(AttentionPlan):
+    """The tree mask as the kernel reads it (None: causal)."""
+
+    tree_mask: torch.Tensor | None  # [T, max_query_len] uint8
+
+
+class TritonAttention(AttentionBackend[TritonPlan]):
+    """Triton kernels on the cache's device (the query tiles of a step are indexed on
+    first use and cached across layers and steps)."""
+
+    name = "triton"
+
+    def plan(self, meta: AttentionMetadata, kv: PagedKV) -> TritonPlan:
+        # bool -> uint8 is a free reinterpretation.
+        tree = None if meta.tree_mask is None else meta.tree_mask.contiguous().view(torch.uint8)
+        return TritonPlan(meta, tree)
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv: PagedKV, plan: TritonPlan) -> None:
+        store_kv_triton(key, value, kv, plan.meta.slot_mapping)
+
+    def forward(self, query: torch.Tensor, kv: PagedKV, plan: TritonPlan, scale: float) -> torch.Tensor:
+        return paged_attention_triton(query, kv, plan, scale)
+
+
 def paged_attention_triton(
     query: torch.Tensor,  # [T, Hq, D]
     kv: PagedKV,
-    meta: AttentionMetadata,
+    plan: TritonPlan,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
+    meta = plan.meta
     T, Hq, D = query.shape
     k_cache, v_cache = kv.k, kv.v
     Hkv, kv_block = k_cache.shape[2], k_cache.shape[1]
@@ -225,9 +254,9 @@ def paged_attention_triton(
     group_p = triton.next_power_of_2(Hq // Hkv)
     block_q = max(1, BLOCK_M // group_p)
     tile_req, tile_q0 = _tile_index(tuple(meta.query_lens_cpu), block_q, query.device)
-    # bool -> uint8 is a free reinterpretation; the kernel never reads it when causal.
-    tree = tile_req if meta.tree_mask is None else meta.tree_mask.contiguous().view(torch.uint8)
-    s_tm = 0 if meta.tree_mask is None else tree.stride(0)
+    # A causal step passes any int tensor where the kernel never reads it.
+    tree = tile_req if plan.tree_mask is None else plan.tree_mask
+    s_tm = 0 if plan.tree_mask is None else tree.stride(0)
     _paged_attention_kernel[(tile_req.numel(), Hkv)](
         query, k_cache, v_cache, k_scale, v_scale, out,
         meta.block_tables, meta.seq_lens, meta.query_start_loc, tree, tile_req, tile_q0,
@@ -235,7 +264,7 @@ def paged_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale.stride(0), k_scale.stride(1),
         meta.block_tables.stride(0), s_tm, scale * 1.4426950408889634,
         GROUP=Hq // Hkv, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
-        KV_BLOCK=kv_block, D=D, D_P=triton.next_power_of_2(D), IS_TREE=meta.tree_mask is not None,
+        KV_BLOCK=kv_block, D=D, D_P=triton.next_power_of_2(D), IS_TREE=plan.tree_mask is not None,
         IS_FP8=kv.is_fp8,
     )
     return out

@@ -1,8 +1,7 @@
 """What one forward over a flattened batch tells the attention kernels."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -27,9 +26,6 @@ class AttentionMetadata:
     # [T, max_query_len] bool: row t (a query token) may see query token j of its own
     # request; None means causal among the query tokens.
     tree_mask: torch.Tensor | None = None
-    backend: str = "auto"  # the engine's attention_backend (kernels/attention.py)
-    # Index tensors a kernel derives once per step and reuses in every layer.
-    plan_cache: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_requests(self) -> int:

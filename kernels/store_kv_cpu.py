@@ -1,7 +1,7 @@
 """Writing a step's K and V into the paged cache on the CPU through the C++ kernel
-(csrc/store_kv.cpp): one call per layer, the same bits as store_kv_ref's casts and
+(csrc/store_kv.cpp): one call per layer, the same bits as the torch backend's casts and
 index_copy_. fp32, fp16 and bf16 caches; fp8 (which also writes scales) keeps the
-reference."""
+torch backend's store."""
 from __future__ import annotations
 
 import ctypes

@@ -2,12 +2,12 @@
 
 The engine is not thread-safe, so every engine call (add_request, abort_request, step,
 get_metrics) happens in a single loop thread. The event loop hands commands to that
-thread through a thread-safe queue; the thread pushes each step's outputs back to
-per-request asyncio queues with `loop.call_soon_threadsafe`. When no request is in
+thread through a thread-safe queue; the thread hands each step's outputs back to the
+event loop with `loop.call_soon_threadsafe`, where each request keeps only its newest one. When no request is in
 flight the thread sleeps on the command queue (no busy spinning).
 
-A request with n > 1 runs as n child requests `{id}-{i}` with seeds `seed + i`, like
-`LLM._add`; its stream merges them into one RequestOutput with n completions.
+A request with n > 1 fans out into child requests (specdec.parallel_sampling, as in
+`LLM`); its stream merges them back into one RequestOutput with n completions.
 """
 from __future__ import annotations
 
@@ -15,15 +15,14 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from specdec.outputs import CompletionOutput, RequestOutput
+from specdec.parallel_sampling import ParentRequest, Prompt
 from specdec.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 
 class EngineDeadError(RuntimeError):
@@ -47,29 +46,31 @@ class EngineLike(Protocol):
 
 
 class _Group:
-    """One API request: its child ids, and the latest output of each child.
+    """One API request: its parent request (child ids, and the latest output of each child).
 
     Outputs are cumulative, so only the newest one per child is kept: a slow reader
     skips intermediate states instead of piling them up (memory stays O(1) per child).
     """
 
-    def __init__(self, request_id: str, n: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+    def __init__(self, parent: ParentRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.parent = parent
         self.loop = loop
-        self.latest: list[RequestOutput | None] = [None] * n  # event loop side
-        self.updated = asyncio.Event()
+        self.updated = asyncio.Event()  # event loop side, as is the parent's per-child state
         self.unfinished: set[str] = set()  # engine thread side
 
-    def deliver(self, index: int, output: RequestOutput) -> None:
+    @property
+    def request_id(self) -> str:
+        return self.parent.request_id
+
+    def deliver(self, output: RequestOutput) -> None:
         """Engine thread: hand one child's output to the event loop."""
         try:
-            self.loop.call_soon_threadsafe(self._store, index, output)
+            self.loop.call_soon_threadsafe(self._store, output)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    def _store(self, index: int, output: RequestOutput) -> None:
-        self.latest[index] = output
+    def _store(self, output: RequestOutput) -> None:
+        self.parent.update(output)
         self.updated.set()
 
 
@@ -77,7 +78,6 @@ class _Group:
 class _Add:
     group: _Group
     prompt: Prompt
-    params: SamplingParams
     use_speculation: bool
     future: asyncio.Future[None]
 
@@ -93,13 +93,6 @@ class _Stop:
 
 
 _Command = _Add | _Abort | _Stop
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + index
-    return replace(params, n=1, seed=seed)
 
 
 def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
@@ -134,10 +127,9 @@ def _error_output(request_id: str, base: RequestOutput | None, message: str) -> 
 class RequestStream:
     """Async iterator of merged, cumulative RequestOutputs; ends after the finished one."""
 
-    def __init__(self, engine: AsyncEngine, group: _Group, params: SamplingParams) -> None:
+    def __init__(self, engine: AsyncEngine, group: _Group) -> None:
         self._engine = engine
         self._group = group
-        self._with_logprobs = params.logprobs is not None
         self.finished = False
         self._aborted = False
 
@@ -153,7 +145,7 @@ class RequestStream:
             raise StopAsyncIteration
         await self._group.updated.wait()  # several steps may have landed: they coalesce
         self._group.updated.clear()
-        merged = self._merged()
+        merged = self._group.parent.merged()
         self.finished = merged.finished
         return merged
 
@@ -162,21 +154,6 @@ class RequestStream:
         if not self.finished and not self._aborted:
             self._aborted = True
             self._engine.abort_nowait(self.request_id)
-
-    def _merged(self) -> RequestOutput:
-        outs = self._group.latest
-        first = next(o for o in outs if o is not None)
-        completions = [self._completion(i, o) for i, o in enumerate(outs)]
-        return RequestOutput(
-            request_id=self.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=completions, finished=all(o is not None and o.finished for o in outs),
-            metrics=first.metrics, error=next((o.error for o in outs if o is not None and o.error), None),
-        )
-
-    def _completion(self, index: int, output: RequestOutput | None) -> CompletionOutput:
-        if output is None:  # this child has not produced anything yet
-            return CompletionOutput(index, "", [], logprobs=[] if self._with_logprobs else None)
-        return replace(output.outputs[0], index=index)
 
 
 # ---- the engine front --------------------------------------------------------------------
@@ -192,7 +169,7 @@ class AsyncEngine:
         self._draining = False
         self._error: str | None = None
         self._groups: dict[str, _Group] = {}  # engine thread only
-        self._children: dict[str, tuple[_Group, int]] = {}  # engine thread only
+        self._children: dict[str, _Group] = {}  # child request id -> its group; engine thread only
         self.stats: dict[str, Any] = dict(engine.get_metrics())  # snapshot, replaced after each step
         self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
         self._thread.start()
@@ -218,15 +195,15 @@ class AsyncEngine:
         """Add the request; raises ValueError for a bad prompt before any streaming starts."""
         self._check_accepting()
         loop = asyncio.get_running_loop()
-        group = _Group(request_id, params.n, loop)
+        group = _Group(ParentRequest(request_id, params), loop)
         future: asyncio.Future[None] = loop.create_future()
-        self._submit(_Add(group, prompt, params, use_speculation, future))
+        self._submit(_Add(group, prompt, use_speculation, future))
         try:
             await future
         except asyncio.CancelledError:  # the caller went away: do not leave the request behind
             self.abort_nowait(request_id)
             raise
-        return RequestStream(self, group, params)
+        return RequestStream(self, group)
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
@@ -318,22 +295,17 @@ class AsyncEngine:
             _settle(command.future, ValueError(f"request id {group.request_id!r} is already in use"))
             return
         try:
-            for index, child_id in enumerate(group.child_ids):
-                self.engine.add_request(child_id, command.prompt, _child_params(command.params, index),
-                                        command.use_speculation)
-                self._register(group, index, child_id)
-        except Exception as exc:  # noqa: BLE001 - a bad prompt: undo the children already added
-            self._abort(group.request_id, deliver=False)
+            group.parent.add_to(self.engine, command.prompt, command.use_speculation)
+        except Exception as exc:  # noqa: BLE001 - a bad prompt: add_to has undone the children it added
             _settle(command.future, exc)
             return
+        self._groups[group.request_id] = group
+        for child in group.parent.children:
+            self._children[child.request_id] = group
+            group.unfinished.add(child.request_id)
         _settle(command.future, None)
 
-    def _register(self, group: _Group, index: int, child_id: str) -> None:
-        self._groups[group.request_id] = group
-        self._children[child_id] = (group, index)
-        group.unfinished.add(child_id)
-
-    def _abort(self, request_id: str, deliver: bool = True) -> None:
+    def _abort(self, request_id: str) -> None:
         group = self._groups.get(request_id)
         if group is None:
             return
@@ -342,7 +314,7 @@ class AsyncEngine:
             if output is None:
                 output = _error_output(child_id, None, "the request was aborted")
                 output.outputs[0].finish_reason = "abort"
-            self._dispatch(output, deliver)
+            self._dispatch(output)
 
     def _step(self) -> None:
         try:
@@ -354,18 +326,16 @@ class AsyncEngine:
         for output in outputs:
             self._dispatch(output)
 
-    def _dispatch(self, output: RequestOutput, deliver: bool = True) -> None:
-        entry = self._children.get(output.request_id)
-        if entry is None:
+    def _dispatch(self, output: RequestOutput) -> None:
+        group = self._children.get(output.request_id)
+        if group is None:
             return
-        group, index = entry
         if output.finished:
             self._children.pop(output.request_id, None)
             group.unfinished.discard(output.request_id)
             if not group.unfinished:
                 self._groups.pop(group.request_id, None)
-        if deliver:
-            group.deliver(index, output)
+        group.deliver(output)
 
     def _fail_all(self, message: str) -> None:
         for child_id in list(self._children):

@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-compatible API (pydantic 2), and their validation errors.
+"""Request bodies of the OpenAI-compatible API (pydantic 2): their models, their strict
+parsing off the wire (`parse_body`), and their validation errors.
 
 Beyond OpenAI's fields every generation request takes a few vLLM-style extras:
 `top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
@@ -15,15 +16,19 @@ Unknown fields are ignored, as OpenAI's own server does for fields it does not k
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, Literal, TypeVar
 
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
 from specdec.sampling_params import MAX_INT64, MAX_N, MAX_STOP_STRINGS, SamplingParams
+from specdec.server.errors import APIError
 
 MAX_LOGPROBS = 20
 PromptInput = str | list[str] | list[int] | list[list[int]]
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class _Body(BaseModel):
@@ -274,3 +279,36 @@ def format_validation_error(exc: ValidationError) -> tuple[str, str | None]:
         param = param or where or None
         parts.append(f"{where}: {_message(error)}" if where else _message(error))
     return "; ".join(parts) or "invalid request", param
+
+
+# ---- reading a body off the wire -------------------------------------------------------------
+
+
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    """Strict JSON parsing with OpenAI-style 4xx errors (no framework internals leak)."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {content_type or 'none'!r}",
+                       code="unsupported_media_type")
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        detail = f"{exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else exc
+        raise APIError(400, f"the request body is not valid JSON: {detail}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        message, param = format_validation_error(exc)
+        raise APIError(400, message, param=param) from None
+
+
+def _reject_constant(name: str) -> Any:
+    """NaN and Infinity are not JSON, though Python's json module reads them."""
+    raise ValueError(f"{name} is not a valid JSON number")

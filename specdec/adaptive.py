@@ -14,7 +14,8 @@ With those rates f and r, draft token i of a request is worth f * r^(i-1) commit
 tokens in expectation. `plan` adds draft
 tokens across the batch in order of worth while expected tokens per second still rise,
 and stops (k = 0 everywhere, plain decoding) when the next token costs more time than it
-is worth. A tree is one all-or-nothing increment worth its request's mean accepted length.
+is worth. A branching draft (more nodes than depth) is one all-or-nothing increment
+worth its request's mean accepted length.
 A request left at k = 0 gets a one-token probe every `PROBE_EVERY` steps per request in
 the batch (a probe costs a verify row, which is dearer when more requests share a step)
 so that its acceptance estimate can recover.
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specdec.kernels.metadata import AttentionMetadata
-from specdec.scheduler import ScheduledRequest
+from specdec.speculation import DraftLimit, SpeculationPolicy, StepReport
 
 if TYPE_CHECKING:
     from specdec.models import LlamaForCausalLM
@@ -103,7 +104,9 @@ class _LineFit:
     xy: float = 0.0
 
     def add(self, x: float, y: float, weight: float = 1.0, discount: float = FIT_DISCOUNT) -> None:
-        self.w, self.x, self.y = discount * self.w + weight, discount * self.x + weight * x, discount * self.y + weight * y
+        self.w = discount * self.w + weight
+        self.x = discount * self.x + weight * x
+        self.y = discount * self.y + weight * y
         self.xx = discount * self.xx + weight * x * x
         self.xy = discount * self.xy + weight * x * y
 
@@ -137,8 +140,8 @@ class _Counts:
     first_misses: float
     later_hits: float  # accepted draft tokens after the first
     later_misses: float  # verifies that stopped after accepting at least one but not all
-    tree_tokens: float = 0.0  # accepted tokens of tree verifies
-    tree_verifies: float = 0.0
+    accepted_tokens: float = 0.0  # accepted draft tokens of all verifies
+    verifies: float = 0.0
     idle_steps: int = 0  # steps since its last draft (probing)
 
     @property
@@ -154,22 +157,22 @@ class _Counts:
         return self.first * self.later ** (depth - 1)
 
     @property
-    def tree_gain(self) -> float:
-        return self.tree_tokens / max(self.tree_verifies, 1e-9)
+    def mean_accepted(self) -> float:
+        """Accepted draft tokens per verify: the worth of a whole (branching) draft."""
+        return self.accepted_tokens / max(self.verifies, 1e-9)
 
-    def add(self, drafted: int, accepted: int, discount: float, tree: bool) -> None:
+    def add(self, drafted: int, accepted: int, discount: float) -> None:
         self.first_hits = discount * self.first_hits + (accepted > 0)
         self.first_misses = discount * self.first_misses + (accepted == 0)
         if accepted > 0:
             self.later_hits = discount * self.later_hits + accepted - 1
             self.later_misses = discount * self.later_misses + (accepted < drafted)
-        if tree:
-            self.tree_tokens = discount * self.tree_tokens + accepted
-            self.tree_verifies = discount * self.tree_verifies + 1
+        self.accepted_tokens = discount * self.accepted_tokens + accepted
+        self.verifies = discount * self.verifies + 1
 
     def seeded(self, weight: float) -> _Counts:
         """Fresh counts worth `weight` verifies at these rates."""
-        first, later, gain = self.first, self.later, self.tree_gain
+        first, later, gain = self.first, self.later, self.mean_accepted
         return _Counts(weight * first, weight * (1 - first), weight * later, weight * (1 - later),
                        weight * gain, weight)
 
@@ -178,7 +181,7 @@ class AcceptanceStats:
     """Per-request acceptance estimates, seeded from the drafter's running totals."""
 
     def __init__(self) -> None:
-        self.total = _Counts(1.0, 1.0, 1.0, 1.0, tree_tokens=1.0, tree_verifies=1.0)
+        self.total = _Counts(1.0, 1.0, 1.0, 1.0, accepted_tokens=1.0, verifies=1.0)
         self.requests: dict[str, _Counts] = {}
 
     def get(self, request_id: str) -> _Counts:
@@ -188,11 +191,11 @@ class AcceptanceStats:
             self.requests[request_id] = counts
         return counts
 
-    def observe(self, request_id: str, drafted: int, accepted: int, tree: bool) -> None:
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         counts = self.get(request_id)
-        counts.add(drafted, accepted, REQUEST_DISCOUNT, tree)
+        counts.add(drafted, accepted, REQUEST_DISCOUNT)
         counts.idle_steps = 0
-        self.total.add(drafted, accepted, GLOBAL_DISCOUNT, tree)
+        self.total.add(drafted, accepted, GLOBAL_DISCOUNT)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -200,79 +203,78 @@ class AcceptanceStats:
 
 @dataclass
 class _Increment:
-    item: ScheduledRequest
+    index: int  # which limit it extends
     tokens: int  # query tokens it adds to the forward
     gain: float  # committed tokens it adds, in expectation
-    depth: int  # the item's draft depth once it is taken
+    drafts: int  # the request's draft tokens once it is taken
 
 
-class AdaptiveSpeculation:
-    def __init__(self, cost: CostModel, tree_mode: bool) -> None:
+class AdaptiveSpeculation(SpeculationPolicy):
+    def __init__(self, cost: CostModel, whole_drafts: bool) -> None:
         self.cost = cost
-        self.tree_mode = tree_mode
+        # The drafter branches (trees): a draft is worth its measured mean accepted
+        # length only whole, so it is granted all or nothing.
+        self.whole_drafts = whole_drafts
         self.stats = AcceptanceStats()
 
-    def plan(self, batch: list[ScheduledRequest]) -> None:
-        """Trim each item's reserved lookahead to the draft length that pays (maybe 0)."""
-        candidates = [item for item in batch if item.max_depth > 0]
-        if not candidates:
-            return
-        base_tokens = sum(item.num_new_tokens for item in batch)
-        base_gain = float(sum(item.completes_prompt for item in batch))
-        chosen = self._choose(self._increments(candidates), base_tokens, base_gain)
-        for item in candidates:
-            self._apply(item, chosen.get(id(item), 0), PROBE_EVERY * len(candidates))
+    def grant(self, limits: list[DraftLimit], base_tokens: int, base_commits: int) -> list[int]:
+        """Each request's draft tokens at the best expected tokens per second (maybe 0)."""
+        if not limits:
+            return []
+        chosen = self._choose(self._increments(limits), base_tokens, float(base_commits))
+        probe_every = PROBE_EVERY * len(limits)
+        return [self._probe_or(limit, chosen.get(i, 0), probe_every) for i, limit in enumerate(limits)]
 
-    def _increments(self, items: list[ScheduledRequest]) -> list[_Increment]:
+    def _increments(self, limits: list[DraftLimit]) -> list[_Increment]:
         increments = []
-        for item in items:
-            counts = self.stats.get(item.request.request_id)
-            if self.tree_mode:
-                increments.append(_Increment(item, item.num_lookahead, counts.tree_gain, item.max_depth))
+        for i, limit in enumerate(limits):
+            counts = self.stats.get(limit.request.request_id)
+            if self.whole_drafts:
+                increments.append(_Increment(i, limit.num_draft_tokens, counts.mean_accepted, limit.num_draft_tokens))
             else:
-                increments += [_Increment(item, 1, counts.gain(d), d) for d in range(1, item.max_depth + 1)]
-        # Within one item gains fall with depth, so this order takes each item's depths in turn.
-        return sorted(increments, key=lambda inc: (-inc.gain / inc.tokens, inc.depth))
+                increments += [_Increment(i, 1, counts.gain(d), d) for d in range(1, limit.max_depth + 1)]
+        # Within one request gains fall with depth, so this order takes each one's depths in turn.
+        return sorted(increments, key=lambda inc: (-inc.gain / inc.tokens, inc.drafts))
 
     def _choose(self, increments: list[_Increment], tokens: int, gain: float) -> dict[int, int]:
-        """Depth per item (by id) at the best expected tokens per second along the order."""
-        depth: dict[int, int] = {}
+        """Draft tokens per limit index at the best expected tokens per second along the order."""
+        drafts: dict[int, int] = {}
         # Speculate only for a clear predicted gain: the models are estimates, and a wrong
         # "yes" costs more (verify rows, per-request attention calls) than a wrong "no".
-        best, best_rate = dict(depth), (1 + SAFETY_MARGIN) * gain / self._step_time(tokens, 0)
+        best, best_rate = dict(drafts), (1 + SAFETY_MARGIN) * gain / self._step_time(tokens, 0)
         for inc in increments:
             tokens += inc.tokens
             gain += inc.gain
-            depth[id(inc.item)] = inc.depth
-            rate = gain / self._step_time(tokens, max(depth.values()))
+            drafts[inc.index] = inc.drafts
+            rate = gain / self._step_time(tokens, max(drafts.values()))
             if rate > best_rate:
-                best, best_rate = dict(depth), rate
+                best, best_rate = dict(drafts), rate
         return best
 
-    def _step_time(self, tokens: int, max_depth: int) -> float:
-        return self.cost.forward_time(tokens) + self.cost.draft_time(max_depth)
+    def _step_time(self, tokens: int, max_drafts: int) -> float:
+        return self.cost.forward_time(tokens) + self.cost.draft_time(max_drafts)
 
-    def _apply(self, item: ScheduledRequest, depth: int, probe_every: int) -> None:
-        counts = self.stats.get(item.request.request_id)
-        if depth == 0:
-            counts.idle_steps += 1
-            if counts.idle_steps < probe_every:
-                item.num_lookahead = item.max_depth = 0
-                return
-            counts.idle_steps = 0
-            depth = 1 if not self.tree_mode else item.max_depth
-        if not self.tree_mode:
-            item.num_lookahead = item.max_depth = depth
+    def _probe_or(self, limit: DraftLimit, drafts: int, probe_every: int) -> int:
+        """`drafts`, or when a request has gone without drafting for `probe_every` steps,
+        a one-token probe (the whole tree for branching drafts) so its estimate can recover."""
+        counts = self.stats.get(limit.request.request_id)
+        if drafts > 0:
+            return drafts
+        counts.idle_steps += 1
+        if counts.idle_steps < probe_every:
+            return 0
+        counts.idle_steps = 0
+        return limit.num_draft_tokens if self.whole_drafts else 1
 
-    def observe_step(self, batch: list[ScheduledRequest], draft_seconds: float, forward_seconds: float) -> None:
+    def observe_step(self, report: StepReport) -> None:
         # Only decode and verify steps: a prefill token costs differently from a draft row,
         # and the line is what one more draft row costs.
-        if all(item.num_new_tokens == 1 for item in batch):
-            self.cost.observe_forward(sum(item.num_query_tokens for item in batch), forward_seconds)
-        self.cost.observe_draft(max((item.max_depth for item in batch), default=0), draft_seconds)
+        if report.decode_only:
+            self.cost.observe_forward(report.num_query_tokens, report.forward_seconds)
+        self.cost.observe_draft(report.max_draft_depth, report.draft_seconds)
 
-    def observe_verify(self, request_id: str, drafted: int, accepted: int, tree: bool) -> None:
-        self.stats.observe(request_id, drafted, accepted, tree)
+    def observe_verify(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        self.stats.observe(request_id, num_drafted, num_accepted)
 
     def forget(self, request_id: str) -> None:
         self.stats.forget(request_id)
@@ -292,16 +294,15 @@ class Stopwatch:
 
 @torch.inference_mode()
 def calibrate(model: LlamaForCausalLM, kv_layers: list[Any], block_size: int,
-              context: int = 64, repeats: int = 3, attention_backend: str = "auto") -> CostModel:
+              context: int = 64, repeats: int = 3) -> CostModel:
     """Time target forwards of one request over T query tokens after `context` cached ones
-    (kv_layers: the model's per-layer paged caches).
+    (kv_layers: the model's per-layer paged caches), on the model's own backends.
 
     Writes KV into the first blocks of the pool: call it before any request is admitted.
     """
     seconds = []
     for size in CALIBRATION_SIZES:
         meta, ids, positions = _synthetic_batch(size, context, block_size)
-        meta.backend = attention_backend
         times = []
         for _ in range(repeats):
             watch = Stopwatch()

@@ -10,43 +10,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from specdec.model_registry import DEFAULT_MODEL, KNOWN_MODELS, pull
-
-# The keys of specdec.config.KV_CACHE_DTYPES (a test checks), spelled out to keep torch
-# out of the argument parser.
-KV_CACHE_DTYPE_NAMES = ("auto", "fp32", "fp16", "bf16", "fp8")
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--speculative-config", type=json.loads, default=None,
-                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_NAMES,
-                        help="KV cache storage dtype (auto: the model dtype); fp16/bf16 halve KV memory, "
-                             "fp8 (e4m3 with per-token, per-head scales) about quarters it")
-    parser.add_argument("--enable-prefix-caching", action="store_true")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--linear-backend", default="auto",
-                        help="packed CPU matmuls for the projections and LM head: auto | cpp-fp16 | fp16 | fp32 "
-                             "| int8 | int8-rowwise | bf16 | onednn-fp32 | onednn-bf16 (see evals/bench_kernels.py)")
-    parser.add_argument("--attention-backend", default="auto", choices=("auto", "cpp", "torch"),
-                        help="CPU attention: the C++ paged kernel (cpp; auto uses it when it builds) or "
-                             "the torch reference (torch); CUDA always runs Triton")
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        speculative_config=args.speculative_config, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-        enable_prefix_caching=args.enable_prefix_caching,
-        dtype=args.dtype, seed=args.seed, linear_backend=args.linear_backend,
-        attention_backend=args.attention_backend,
-    )
+from specdec.engine_args import HELP_FORMAT, add_engine_args, engine_kwargs
+from specdec.model_registry import KNOWN_MODELS, pull
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -60,7 +25,7 @@ def _generate(args: argparse.Namespace) -> None:
     else:
         out = llm.generate(args.prompt, params)[0]
     print(out.outputs[0].text)
-    if args.speculative_config:
+    if llm.engine.config.speculative_config is not None:
         print(json.dumps(llm.get_metrics()), file=sys.stderr)
 
 
@@ -106,21 +71,20 @@ def _add_eval(sub: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--served-model-name", default=None)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HELP_FORMAT)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer <key>`; when not given, $SPECDEC_API_KEY if set")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use; when not given, MODEL")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
-    gen = sub.add_parser("generate", help="one-off generation")
-    gen.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    gen.add_argument("--prompt", required=True)
+    gen = sub.add_parser("generate", help="one-off generation", formatter_class=HELP_FORMAT)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
     models = sub.add_parser("models", help="manage known models").add_subparsers(dest="action", required=True)

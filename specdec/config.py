@@ -1,10 +1,14 @@
 """Engine and speculation settings, validated once at start-up."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import json
+from collections.abc import Iterable
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 import torch
+
+from specdec.model_registry import DEFAULT_MODEL
 
 METHODS = ("ngram", "draft_model", "medusa")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k tokens of KV for the default model in fp16
@@ -63,7 +67,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
-                f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max ({self.prompt_lookup_max})"
+                f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) "
+                f"<= prompt_lookup_max ({self.prompt_lookup_max})"
             )
         if not 0 <= self.num_tree_nodes <= 64:
             raise ValueError(f"num_tree_nodes must be in [0, 64], got {self.num_tree_nodes}")
@@ -71,22 +76,71 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'draft_model' needs 'model': a draft model directory or name")
 
 
+# Model dtypes by name (--dtype); "auto" is float32, the dtype the engine is tested in.
+DTYPES: dict[str, torch.dtype] = {
+    "auto": torch.float32, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+}
+DEVICES = ("auto", "cpu", "cuda")
+# The names of specdec.kernels.attention.BACKENDS (a test checks), spelled out because
+# config must not import the kernels (they import it).
+ATTENTION_BACKENDS = ("auto", "cpp", "torch", "triton")
+
+
+def _option(default: Any, help: str, choices: Iterable[str] | None = None) -> Any:
+    """An engine option: a field whose help text (and allowed values, when the set is fixed)
+    the CLI flags and `LLM`'s keyword arguments are made from."""
+    return field(default=default, metadata={"help": help, "choices": tuple(choices) if choices else None})
+
+
 @dataclass
 class EngineConfig:
-    model: str
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    block_size: int = 16
-    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
-    kv_cache_dtype: str = "auto"  # a key of KV_CACHE_DTYPES
-    enable_prefix_caching: bool = False
-    speculative_config: SpeculativeConfig | None = None
-    dtype: torch.dtype = torch.float32
-    linear_backend: str = "auto"  # specdec.models.linear: auto | fp32 | cpp-fp16 | fp16 | int8 | bf16 | onednn-*
-    attention_backend: str = "auto"  # specdec.kernels.attention: auto | cpp | torch
-    seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    """Every engine option, defined once: `specdec serve/generate` flags and `LLM(...)`
+    keyword arguments are derived from these fields (see `engine_options`)."""
+
+    model: str = _option(DEFAULT_MODEL, "a known model name (see `specdec models pull`), a local Hugging Face "
+                                        "model directory, or a .gguf file")
+    speculative_config: SpeculativeConfig | None = _option(
+        None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'; '
+              "none: plain decoding")
+    max_model_len: int = _option(4096, "most tokens (prompt and output) of one request; capped by the model's "
+                                       "max_position_embeddings")
+    max_num_batched_tokens: int = _option(2048, "most tokens one engine step runs (prefill chunks, decode and "
+                                                "draft tokens together)")
+    max_num_seqs: int = _option(64, "most requests in the running batch")
+    block_size: int = _option(16, "tokens per KV-cache block (a power of two up to 128)")
+    kv_cache_memory: int = _option(DEFAULT_KV_CACHE_MEMORY, "bytes for the KV cache")
+    kv_cache_dtype: str = _option("auto", "KV cache storage dtype (auto: the model dtype); fp16/bf16 halve KV "
+                                          "memory, fp8 (e4m3 with per-token, per-head scales) about quarters it",
+                                  choices=KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = _option(False, "reuse the KV blocks of prompt prefixes computed before")
+    dtype: torch.dtype = _option(torch.float32, "dtype of the model's weights and activations", choices=DTYPES)
+    linear_backend: str = _option("auto", "packed CPU matmuls for the projections and LM head: auto | cpp-fp16 | "
+                                          "fp16 | fp32 | int8 | int8-rowwise | bf16 | onednn-fp32 | onednn-bf16 "
+                                          "(see evals/bench_kernels.py)")
+    attention_backend: str = _option("auto", "attention: the C++ paged kernel (cpp, CPU), plain torch (torch) or "
+                                             "Triton (triton, CUDA); auto: triton on CUDA, else cpp where it "
+                                             "builds, else torch",
+                                     choices=ATTENTION_BACKENDS)
+    seed: int = _option(0, "seed of torch's global random generator, which requests without a seed sample from")
+    device: str = _option("auto", "auto | cpu | cuda: where the model runs (auto: cuda when a GPU is visible, "
+                                  "else cpu)", choices=DEVICES)
+
+    def __post_init__(self) -> None:
+        """Bring raw values (CLI strings, JSON, `LLM` keywords) to the types the engine
+        uses: the one place engine options are converted."""
+        self.dtype = _as_dtype(self.dtype)
+        self.speculative_config = _as_speculative_config(self.speculative_config)
+        if self.kv_cache_memory is None:  # "no preference", as callers may pass it through
+            self.kv_cache_memory = DEFAULT_KV_CACHE_MEMORY
+        _check_device(self.device)
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The device the engine runs on: `device`, with auto resolved."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
     def validate(self) -> None:
         if self.max_model_len < 2:
@@ -101,15 +155,15 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}")
-        from specdec.models.linear import default_linear_backend, get_linear_backend
+        from specdec.kernels.linear import default_linear_backend, get_linear_backend
 
         if self.linear_backend == "auto":
             self.linear_backend = default_linear_backend() if self.dtype == torch.float32 else "fp32"
 
         get_linear_backend(self.linear_backend)  # ValueError if unknown or unavailable
-        from specdec.kernels.attention import check_backend
+        from specdec.kernels.attention import check_attention_backend
 
-        check_backend(self.attention_backend)  # ValueError if unknown, KernelBuildError if "cpp" cannot build
+        check_attention_backend(self.attention_backend)  # ValueError if unknown, KernelBuildError if cpp cannot build
         if self.linear_backend != "fp32" and self.dtype != torch.float32:
             raise ValueError(f"linear_backend {self.linear_backend!r} needs dtype float32 "
                              f"(activations stay fp32), got {self.dtype}")
@@ -120,3 +174,39 @@ class EngineConfig:
         fp16 in place of float32."""
         model_dtype = torch.float16 if self.dtype == torch.float32 else self.dtype
         return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or model_dtype
+
+
+def engine_options() -> list[Field[Any]]:
+    """The engine options, in order: every field of EngineConfig."""
+    return list(fields(EngineConfig))
+
+
+def _as_dtype(value: torch.dtype | str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value not in DTYPES:
+        raise ValueError(f"dtype {value!r} is not one of {list(DTYPES)}")
+    return DTYPES[value]
+
+
+def _as_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+    """A SpeculativeConfig from itself, a dict, or JSON text; None or "none" for no speculation."""
+    if isinstance(value, str):
+        if value.strip().lower() in ("", "none", "null"):
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON ({exc}): {value!r}") from None
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+    return SpeculativeConfig.from_dict(value)
+
+
+def _check_device(device: str) -> None:
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not one of {list(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA GPU here "
+                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                         "use device 'cpu' or 'auto'")

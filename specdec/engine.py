@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -12,18 +13,20 @@ from specdec.allocator import keep_freed_memory
 from specdec.block_manager import BlockManager
 from specdec.config import EngineConfig
 from specdec.detokenizer import IncrementalDetokenizer
-from specdec.drafters.base import Draft, DraftRequest
+from specdec.drafters.base import Drafter, DrafterContext, DraftRequest
+from specdec.drafters.factory import build_drafter
 from specdec.kernels.kv_ops import move_kv
 from specdec.metrics import EngineMetrics
 from specdec.model_registry import read_json, resolve_model
 from specdec.model_runner import KVCache, ModelRunner
-from specdec.models import load_model
-from specdec.models.linear import apply_linear_backend
+from specdec.models import LlamaForCausalLM, load_model
 from specdec.output_processor import commit_tokens, make_output
 from specdec.outputs import RequestOutput
 from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest, Scheduler
+from specdec.speculation import FixedSpeculation, SpeculationPolicy, StepReport
+from specdec.tree import DraftTree
 from specdec.verify import Verified, verify
 
 logger = logging.getLogger(__name__)
@@ -35,10 +38,10 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.device = torch.device("cpu")
+        self.device = config.torch_device
         keep_freed_memory()
-        self.model = load_model(self.model_dir, dtype=config.dtype, device=self.device)
-        apply_linear_backend(self.model, config.linear_backend)
+        self.model = load_model(self.model_dir, dtype=config.dtype, device=self.device,
+                                linear_backend=config.linear_backend, attention_backend=config.attention_backend)
         self.model_config = self.model.config
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
@@ -49,10 +52,26 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config, kv_cache, self.device)
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.speculation = _build_adaptive(self) if spec and spec.adaptive else None
-        self.drafter = _build_drafter(self) if spec else None
+        self.policy: SpeculationPolicy = _build_adaptive(self) if spec and spec.adaptive else FixedSpeculation()
+        self.scheduler = Scheduler(config, self.block_manager, self.policy)
+        self.drafter: Drafter | None = build_drafter(self._drafter_context()) if spec else None
         self.metrics = EngineMetrics(self.num_speculative_tokens)
+
+    def _drafter_context(self) -> DrafterContext:
+        assert self.config.speculative_config is not None
+        return DrafterContext(
+            spec=self.config.speculative_config, tokenizer=self.tokenizer, target=self.model, device=self.device,
+            dtype=self.config.dtype, linear_backend=self.config.linear_backend, max_model_len=self.max_model_len,
+            allocate_kv=self._allocate_draft_kv, num_kv_blocks=self.block_manager.num_blocks,
+            max_num_seqs=self.config.max_num_seqs)
+
+    def _allocate_draft_kv(self, model: LlamaForCausalLM, num_blocks: int) -> tuple[ModelRunner, BlockManager]:
+        """A runner over a fresh paged KV cache for a draft model (KV in its activation dtype)."""
+        mc = model.config
+        kv = KVCache(mc.num_layers, num_blocks, self.config.block_size, mc.num_kv_heads, mc.head_dim,
+                     self.config.dtype, self.device)
+        config = replace(self.config, enable_prefix_caching=False)
+        return ModelRunner(model, config, kv, self.device), BlockManager(num_blocks, self.config.block_size, False)
 
     def _num_blocks(self) -> int:
         mc = self.model_config
@@ -122,82 +141,69 @@ class LLMEngine:
         if not batch:
             return []
         try:
-            sampled, num_rows = self._run(batch)
+            watch = Stopwatch()
+            trees = self._propose(batch)
+            draft_seconds = watch.lap()
+            output = self.runner.execute(batch, trees)
+            self.policy.observe_step(_step_report(batch, trees, draft_seconds, watch.lap()))
+            verified = verify(batch, trees, output)
         except Exception as error:  # a failed step fails its requests, not the engine
             logger.exception("engine step failed")
             return self._fail(batch, error)
         self.metrics.num_steps += 1
-        return self._postprocess(batch, sampled, num_rows)
+        return self._commit(batch, trees, verified)
 
-    def _run(self, batch: list[ScheduledRequest]) -> tuple[list[Verified], list[int]]:
-        if self.speculation is not None:
-            self.speculation.plan(batch)
-        watch = Stopwatch()
-        draft_probs = self._propose(batch)
-        draft_seconds = watch.lap()
-        output = self.runner.execute(batch)
-        if self.speculation is not None:
-            self.speculation.observe_step(batch, draft_seconds, watch.lap())
-        return verify(batch, output, draft_probs), output.num_rows
+    def _propose(self, batch: list[ScheduledRequest]) -> list[DraftTree]:
+        """Each request's draft tree; the root alone where nothing was granted or guessed."""
+        trees = [DraftTree.chain([item.root_token]) for item in batch]
+        wanted = [i for i, item in enumerate(batch) if item.num_draft_tokens > 0]
+        if not wanted or self.drafter is None:
+            return trees
+        requests = [DraftRequest(batch[i].request.request_id, batch[i].request.all_token_ids,
+                                 batch[i].num_draft_tokens, batch[i].max_depth,
+                                 batch[i].request.sampling_params, batch[i].request.last_hidden) for i in wanted]
+        for i, tree in zip(wanted, self.drafter.propose(requests), strict=True):
+            trees[i] = tree.prune(batch[i].num_draft_tokens, batch[i].max_depth)  # the drafter contract, enforced
+        return trees
 
-    def _propose(self, batch: list[ScheduledRequest]) -> list[torch.Tensor | None]:
-        items = [item for item in batch if item.num_lookahead > 0]
-        probs: list[torch.Tensor | None] = [None] * len(batch)
-        if not items or self.drafter is None:
-            return probs
-        tree_mode = bool(self.config.speculative_config and self.config.speculative_config.num_tree_nodes)
-        requests = [DraftRequest(i.request.request_id, i.request.all_token_ids, i.max_depth,
-                                 i.request.sampling_params, i.num_lookahead if tree_mode else 0,
-                                 i.request.last_hidden) for i in items]
-        drafts = iter(self.drafter.propose(requests))
-        for index, item in enumerate(batch):
-            if item.num_lookahead > 0:
-                probs[index] = _attach_draft(item, next(drafts))
-        return probs
-
-    def _postprocess(self, batch: list[ScheduledRequest], sampled: list[Verified],
-                     num_rows: list[int]) -> list[RequestOutput]:
+    def _commit(self, batch: list[ScheduledRequest], trees: list[DraftTree],
+                verified: list[Verified]) -> list[RequestOutput]:
         outputs = []
-        for item, result, rows in zip(batch, sampled, num_rows):
+        for item, tree, result in zip(batch, trees, verified):
             request = item.request
-            request.num_computed_tokens += item.num_query_tokens
-            if rows == 0:
+            if not result.tokens:  # mid-prefill: no logits yet
+                request.num_computed_tokens += item.num_new_tokens
                 self.block_manager.cache_blocks(request)
                 continue
-            self._commit(item, result)
+            self._commit_one(item, tree, result)
             outputs.append(make_output(request))
             if request.finish_reason is not None:
                 self._finish(request)
         return outputs
 
-    def _commit(self, item: ScheduledRequest, result: Verified) -> None:
+    def _commit_one(self, item: ScheduledRequest, tree: DraftTree, result: Verified) -> None:
+        """Keep the KV of the known tokens and the accepted path, append the tokens."""
         request = item.request
-        tokens = result.tokens
-        num_accepted = len(tokens) - 1
-        if item.tree is not None:
-            num_drafts = item.tree.max_depth
-            self._compact_tree(item, result.accepted_nodes)
-        else:
-            num_drafts = len(item.draft_token_ids)
-        # Roll back: of the draft positions, only the accepted ones keep their KV.
-        request.num_computed_tokens -= item.num_query_tokens - item.num_new_tokens - num_accepted
+        root = request.num_computed_tokens + item.num_new_tokens - 1  # the root's position
+        self._compact(request, root, result.accepted_nodes)
+        num_accepted = len(result.tokens) - 1
+        request.num_computed_tokens = root + 1 + num_accepted
         request.last_hidden = result.hidden
-        kept = commit_tokens(request, tokens, self.max_model_len)
-        if num_drafts:
-            self.metrics.observe_draft(num_drafts, min(num_accepted, kept))
-            if self.speculation is not None:
-                self.speculation.observe_verify(request.request_id, num_drafts, num_accepted, item.tree is not None)
+        kept = commit_tokens(request, result.tokens, self.max_model_len)
+        if tree.num_drafts:
+            self.metrics.observe_draft(tree.max_depth, min(num_accepted, kept))
+            self.policy.observe_verify(request.request_id, tree.max_depth, num_accepted)
         self.metrics.num_generation_tokens += kept
         self.block_manager.truncate(request, request.num_tokens)
         self.block_manager.cache_blocks(request)
 
-    def _compact_tree(self, item: ScheduledRequest, accepted_nodes: list[int]) -> None:
-        """Move the accepted path's KV into the request's next contiguous positions."""
-        start = item.request.num_computed_tokens - item.num_query_tokens  # the root's position
-        moves = [(start + node, start + depth) for depth, node in enumerate(accepted_nodes, start=1)
+    def _compact(self, request: Request, root: int, accepted_nodes: list[int]) -> None:
+        """Move the accepted path's KV into the positions right after the root (a chain's
+        path is already there)."""
+        moves = [(root + node, root + depth) for depth, node in enumerate(accepted_nodes, start=1)
                  if node != depth]
         if moves:
-            table = item.request.block_table
+            table = request.block_table
             bs = self.config.block_size
             src = [table[p // bs] * bs + p % bs for p, _ in moves]
             dst = [table[p // bs] * bs + p % bs for _, p in moves]
@@ -216,8 +222,7 @@ class LLMEngine:
         self.scheduler.finish(request)
         if self.drafter is not None:
             self.drafter.free(request.request_id)
-        if self.speculation is not None:
-            self.speculation.forget(request.request_id)
+        self.policy.forget(request.request_id)
 
     # ---- introspection -------------------------------------------------------------
 
@@ -234,15 +239,6 @@ class LLMEngine:
         return stats
 
 
-def _attach_draft(item: ScheduledRequest, draft: Draft) -> torch.Tensor | None:
-    """Put a drafter's proposal on the scheduled item, trimmed to what was reserved."""
-    if draft.tree is not None:
-        item.tree = draft.tree.prune(item.num_lookahead, item.max_depth)
-        return None
-    item.draft_token_ids = draft.token_ids[: item.max_depth]
-    return None if draft.probs is None else draft.probs[: len(item.draft_token_ids)]
-
-
 def _eos_token_ids(model_dir: Any, tokenizer: Any) -> set[int]:
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
@@ -257,13 +253,15 @@ def _eos_token_ids(model_dir: Any, tokenizer: Any) -> set[int]:
 
 def _build_adaptive(engine: LLMEngine) -> AdaptiveSpeculation:
     """Calibrate the target's forward cost now, while the KV pool is still empty."""
-    cost = calibrate(engine.model, engine.runner.kv_cache.layers, engine.config.block_size,
-                     attention_backend=engine.config.attention_backend)
+    cost = calibrate(engine.model, engine.runner.kv_cache.layers, engine.config.block_size)
     spec = engine.config.speculative_config
-    return AdaptiveSpeculation(cost, tree_mode=bool(spec and spec.num_tree_nodes))
+    return AdaptiveSpeculation(cost, whole_drafts=bool(spec and spec.num_tree_nodes))
 
 
-def _build_drafter(engine: LLMEngine) -> Any:
-    from specdec.drafters.factory import build_drafter
-
-    return build_drafter(engine)
+def _step_report(batch: list[ScheduledRequest], trees: list[DraftTree], draft_seconds: float,
+                 forward_seconds: float) -> StepReport:
+    return StepReport(
+        num_query_tokens=sum(item.num_new_tokens - 1 + tree.num_nodes for item, tree in zip(batch, trees)),
+        decode_only=all(item.num_new_tokens == 1 for item in batch),
+        max_draft_depth=max(item.max_depth for item in batch),
+        draft_seconds=draft_seconds, forward_seconds=forward_seconds)

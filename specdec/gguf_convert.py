@@ -53,7 +53,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _tensors(reader, config: dict) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+def _tensors(reader, config: dict) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     tensors = {}

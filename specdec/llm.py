@@ -1,54 +1,30 @@
 """The offline Python API, shaped like vLLM's `LLM`."""
 from __future__ import annotations
 
+import inspect
 import itertools
-from dataclasses import replace
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from specdec.config import EngineConfig, SpeculativeConfig
+from specdec.config import EngineConfig, engine_options
 from specdec.engine import LLMEngine
+from specdec.model_registry import DEFAULT_MODEL
 from specdec.outputs import RequestOutput
+from specdec.parallel_sampling import ParentRequest, Prompt
 from specdec.sampling_params import SamplingParams
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "auto": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str = "smollm2-135m-instruct",
-        speculative_config: dict[str, Any] | None = None,
-        max_model_len: int = 4096,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 64,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        kv_cache_dtype: str = "auto",
-        enable_prefix_caching: bool = False,
-        dtype: str = "float32",
-        seed: int = 0,
-        linear_backend: str = "auto",
-        attention_backend: str = "auto",
-    ) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-        config = EngineConfig(
-            model=model, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-            enable_prefix_caching=enable_prefix_caching,
-            speculative_config=SpeculativeConfig.from_dict(speculative_config), dtype=_DTYPES[dtype], seed=seed,
-            linear_backend=linear_backend, attention_backend=attention_backend,
-        )
-        if kv_cache_memory is not None:
-            config.kv_cache_memory = kv_cache_memory
-        torch.manual_seed(seed)
+    """`LLM(model, **options)`: the options are EngineConfig's fields (see its help texts,
+    or `specdec serve --help`); an unknown one is a TypeError."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **options: Any) -> None:
+        config = EngineConfig(model=model, **_checked_options(options))
+        torch.manual_seed(config.seed)
         self.engine = LLMEngine(config)
         self.model_dir: Path = self.engine.model_dir
         self._ids = itertools.count()
@@ -66,9 +42,18 @@ class LLM:
         """Generate for every prompt; results come back in input order."""
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
-        groups = [self._add(p, sp, use_speculation) for p, sp in zip(prompt_list, params)]
-        finals = self._run([rid for group in groups for rid in group], use_tqdm)
-        return [_merge([finals[rid] for rid in group]) for group in groups]
+        parents: list[ParentRequest] = []
+        try:
+            for prompt, sp in zip(prompt_list, params):
+                parent = ParentRequest(str(next(self._ids)), sp)
+                parent.add_to(self.engine, prompt, use_speculation)
+                parents.append(parent)
+        except BaseException:  # a bad prompt: run none of this call's requests
+            for parent in parents:
+                parent.abort_in(self.engine)
+            raise
+        self._run(parents, use_tqdm)
+        return [parent.merged() for parent in parents]
 
     def chat(
         self,
@@ -91,43 +76,37 @@ class LLM:
     def get_metrics(self) -> dict[str, Any]:
         return self.engine.get_metrics()
 
-    def _add(self, prompt: Prompt, params: SamplingParams, use_speculation: bool) -> list[str]:
-        base = str(next(self._ids))
-        ids = []
-        for i in range(params.n):
-            child = params if params.n == 1 else _child_params(params, i)
-            request_id = base if params.n == 1 else f"{base}-{i}"
-            self.engine.add_request(request_id, prompt, child, use_speculation)
-            ids.append(request_id)
-        return ids
-
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
-        finals: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm)
+    def _run(self, parents: list[ParentRequest], use_tqdm: bool) -> None:
+        by_child = {child.request_id: parent for parent in parents for child in parent.children}
+        bar = tqdm(total=len(by_child), desc="generating", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
+                parent = by_child.get(out.request_id)
+                if parent is not None and out.finished:  # the offline API returns final outputs only
+                    parent.update(out)
                     bar.update(1)
         bar.close()
-        return finals
 
 
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    seed = None if params.seed is None else params.seed + index
-    return replace(params, n=1, seed=seed)
+def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
+    known = [f.name for f in engine_options() if f.name != "model"]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"LLM() got unknown engine options {unknown}; the options are {known}")
+    return options
 
 
-def _merge(outputs: list[RequestOutput]) -> RequestOutput:
-    first = outputs[0]
-    completions = []
-    for index, out in enumerate(outputs):
-        completion = out.outputs[0]
-        completion.index = index
-        completions.append(completion)
-    request_id = first.request_id.split("-")[0] if len(outputs) > 1 else first.request_id
-    return replace(first, request_id=request_id, outputs=completions,
-                   finished=all(o.finished for o in outputs))
+def _signature() -> inspect.Signature:
+    """LLM's signature as help() and IDEs should show it: `model`, then every other
+    engine option as a keyword with its default."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for option in engine_options():
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if option.name == "model" else inspect.Parameter.KEYWORD_ONLY
+        params.append(inspect.Parameter(option.name, kind, default=option.default, annotation=option.type))
+    return inspect.Signature(params)
+
+
+LLM.__init__.__signature__ = _signature()  # type: ignore[attr-defined]
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -1,6 +1,7 @@
 """Runs one target forward over the flattened batch and returns the logits it needs."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
 from specdec.models import LlamaForCausalLM
 from specdec.scheduler import ScheduledRequest
+from specdec.tree import DraftTree
 
 
 @dataclass
@@ -44,13 +46,15 @@ class ModelRunner:
         self.block_size = config.block_size
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledRequest]) -> ForwardOutput:
-        input_ids, positions, meta, logit_rows, num_rows = self.prepare(batch)
+    def execute(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree]) -> ForwardOutput:
+        """One forward over every request's known tokens and draft tree (trees[i] is
+        rooted at batch[i]'s last known token; the root alone when nothing is drafted)."""
+        input_ids, positions, meta, logit_rows, num_rows = self.prepare(batch, trees)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, H]
         hidden = hidden[logit_rows] if len(logit_rows) < hidden.shape[0] else hidden
         return ForwardOutput(self.model.compute_logits(hidden), hidden, num_rows)
 
-    def prepare(self, batch: list[ScheduledRequest]) -> tuple[
+    def prepare(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree]) -> tuple[
         torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]
     ]:
         tokens: list[int] = []
@@ -58,35 +62,30 @@ class ModelRunner:
         slots: list[int] = []
         rows: list[int] = []
         num_rows: list[int] = []
-        for item in batch:
-            start = item.request.num_computed_tokens
-            query = self._query_tokens(item)
-            n_rows = item.num_query_tokens - item.num_new_tokens + 1 if item.completes_prompt else 0
-            rows.extend(range(len(tokens) + len(query) - n_rows, len(tokens) + len(query)))
+        for item, tree in zip(batch, trees, strict=True):
+            req = item.request
+            start = req.num_computed_tokens
+            known = req.all_token_ids[start : start + item.num_new_tokens - 1]  # before the root
+            root = start + len(known)
+            n_rows = tree.num_nodes if item.completes_prompt else 0
+            query_len = len(known) + tree.num_nodes
+            rows.extend(range(len(tokens) + query_len - n_rows, len(tokens) + query_len))
             num_rows.append(n_rows)
-            tokens.extend(query)
-            positions.extend(item.tree.positions(start) if item.tree else range(start, start + len(query)))
-            slots.extend(self._slots(item.request.block_table, start, len(query)))
-        meta = self._metadata(batch, slots)
-        if any(item.tree is not None for item in batch):
-            meta.tree_mask = _tree_mask(batch, meta.max_query_len)
+            tokens.extend(known + tree.token_ids)
+            positions.extend([*range(start, root), *tree.positions(root)])
+            slots.extend(self._slots(req.block_table, start, query_len))
+        meta = self._metadata(batch, trees, slots)
+        meta.tree_mask = _tree_mask(batch, trees, meta.max_query_len)
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_long(tokens), as_long(positions), meta, as_long(rows), num_rows
-
-    @staticmethod
-    def _query_tokens(item: ScheduledRequest) -> list[int]:
-        if item.tree is not None:
-            return list(item.tree.token_ids)
-        req = item.request
-        start = req.num_computed_tokens
-        return req.all_token_ids[start : start + item.num_new_tokens] + item.draft_token_ids
 
     def _slots(self, block_table: list[int], start: int, count: int) -> list[int]:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, start + count)]
 
-    def _metadata(self, batch: list[ScheduledRequest], slots: list[int]) -> AttentionMetadata:
-        query_lens = [item.num_query_tokens for item in batch]
+    def _metadata(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree],
+                  slots: list[int]) -> AttentionMetadata:
+        query_lens = [item.num_new_tokens - 1 + tree.num_nodes for item, tree in zip(batch, trees)]
         seq_lens = [item.request.num_computed_tokens + n for item, n in zip(batch, query_lens)]
         max_blocks = max(len(item.request.block_table) for item in batch)
         tables = [item.request.block_table + [0] * (max_blocks - len(item.request.block_table)) for item in batch]
@@ -101,16 +100,22 @@ class ModelRunner:
             block_tables=int32(tables),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
-            backend=self.config.attention_backend,
         )
 
 
-def _tree_mask(batch: list[ScheduledRequest], max_query_len: int) -> torch.Tensor:
-    """[T, max_query_len] bool: trees see their ancestors, everything else is causal."""
+def _tree_mask(batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree],
+               max_query_len: int) -> torch.Tensor | None:
+    """[T, max_query_len] bool: each query token sees the known tokens before it and its
+    tree ancestors; None when that is causal for every request (chains), which the
+    kernels take as the default."""
+    if all(tree.is_chain for tree in trees):
+        return None
     masks = []
-    for item in batch:
-        n = item.num_query_tokens
+    for item, tree in zip(batch, trees):
+        known = item.num_new_tokens - 1
+        n = known + tree.num_nodes
         mask = torch.zeros(n, max_query_len, dtype=torch.bool)
-        mask[:, :n] = item.tree.attention_mask() if item.tree is not None else torch.ones(n, n, dtype=torch.bool).tril()
+        mask[:, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        mask[known:n, known:n] = tree.attention_mask()
         masks.append(mask)
     return torch.cat(masks)

@@ -69,7 +69,8 @@ def make_output(request: Request) -> RequestOutput:
         token_ids=list(request.output_token_ids),
         finish_reason=request.finish_reason,
         stop_reason=request.stop_reason,
-        logprobs=request.output_logprobs[: request.num_output_tokens] if request.sampling_params.logprobs is not None else None,
+        logprobs=(request.output_logprobs[: request.num_output_tokens]
+                  if request.sampling_params.logprobs is not None else None),
     )
     return RequestOutput(
         request_id=request.request_id,

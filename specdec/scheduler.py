@@ -1,9 +1,12 @@
 """Continuous batching under one token budget (vLLM v1 style).
 
 Every scheduled request simply gets some number of new tokens: a prefill chunk, one
-decode token, or one token plus lookahead slots for draft tokens to verify. Running
-requests go first (oldest first); when KV blocks run out the newest running request is
-preempted and later recomputed from scratch.
+decode token, or one token plus the draft tokens the speculation policy grants it. The
+policy is asked once the step's requests are known (it weighs drafts against the whole
+step's cost), and each ScheduledRequest is built once, from its grant: nothing edits it
+afterwards. Running requests go
+first (oldest first); when KV blocks run out the newest running request is preempted
+and later recomputed from scratch.
 
 No request starves: waiting requests are admitted strictly from the front (admission
 stops at the first that does not fit), and victims, taken newest first, go back to the
@@ -14,31 +17,29 @@ first and never the victim (tests/engine/test_kv_exhaustion.py checks this).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from specdec.block_manager import BlockManager
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from specdec.drafters.tree import DraftTree
+from specdec.speculation import DraftLimit, FixedSpeculation, SpeculationPolicy
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledRequest:
+    """One request's share of a step. The step's query for it is its known tokens up to
+    the last one, then its draft tree, whose root is that last known token."""
+
     request: Request
     num_new_tokens: int  # known tokens to run (prefill chunk or the last sampled token)
-    num_lookahead: int = 0  # slots reserved for draft tokens (or tree nodes)
-    max_depth: int = 0  # draft tokens that can still be committed this step
-    draft_token_ids: list[int] = field(default_factory=list)
-    tree: DraftTree | None = None  # a draft tree; its root is the one new token
+    num_draft_tokens: int = 0  # draft tree nodes beyond the root, KV slots reserved for them
+    max_depth: int = 0  # the longest draft path that can still be committed this step
 
     @property
-    def num_query_tokens(self) -> int:
-        if self.tree is not None:
-            return self.tree.num_nodes
-        return self.num_new_tokens + len(self.draft_token_ids)
+    def root_token(self) -> int:
+        """The last known token this step runs: the root of the request's draft tree."""
+        req = self.request
+        return req.all_token_ids[req.num_computed_tokens + self.num_new_tokens - 1]
 
     @property
     def completes_prompt(self) -> bool:
@@ -48,10 +49,12 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 policy: SpeculationPolicy | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.spec: SpeculativeConfig | None = config.speculative_config
+        self.policy = policy or FixedSpeculation()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -64,44 +67,60 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledRequest]:
         budget = self.config.max_num_batched_tokens
-        scheduled, budget, preempted = self._schedule_running(budget)
-        if not preempted:
-            scheduled += self._schedule_waiting(budget)
-        return scheduled
+        running, preempted = self._schedule_running(budget)
+        budget -= sum(num_new + (limit.num_draft_tokens if limit else 0) for _, num_new, limit in running)
+        admitted = [] if preempted else self._schedule_waiting(budget)
+        grants = self._grant(running, admitted)
+        return [ScheduledRequest(request, num_new, drafts, min(limit.max_depth, drafts) if limit else 0)
+                for (request, num_new, limit), drafts in zip(running, grants)] + admitted
 
-    def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], int, bool]:
-        scheduled: list[ScheduledRequest] = []
+    def _schedule_running(self, budget: int) -> tuple[list[tuple[Request, int, DraftLimit | None]], bool]:
+        """Known tokens and draft limit per running request, oldest first, while the token
+        budget lasts; KV blocks are reserved for the known tokens and the most the request
+        may draft (what a smaller grant leaves unused is freed when its step commits)."""
+        planned: list[tuple[Request, int, DraftLimit | None]] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            item = self._plan(request, budget)
-            if not self._reserve(item):
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            limit = self._draft_limit(request, budget)
+            if not self._reserve(request, num_new + (limit.num_draft_tokens if limit else 0)):
                 preempted = True
-                continue  # the list shrank from the end; retry the same request
-            scheduled.append(item)
-            budget -= item.num_new_tokens + item.num_lookahead
+                continue  # the list shrank from the end; retry the same index
+            planned.append((request, num_new, limit))
+            budget -= num_new + (limit.num_draft_tokens if limit else 0)
             i += 1
-        return scheduled, budget, preempted
+        return planned, preempted
 
-    def _reserve(self, item: ScheduledRequest) -> bool:
-        """Allocate blocks for the item, preempting the newest requests as needed."""
-        tokens = item.num_new_tokens + item.num_lookahead
-        while not self.block_manager.can_allocate(item.request, tokens):
+    def _grant(self, running: list[tuple[Request, int, DraftLimit | None]],
+               admitted: list[ScheduledRequest]) -> list[int]:
+        """Draft tokens per running request, from the policy, which sees the whole step."""
+        limits = [limit for _, _, limit in running if limit is not None]
+        base_tokens = sum(num_new for _, num_new, _ in running) + sum(i.num_new_tokens for i in admitted)
+        base_commits = (sum(r.num_computed_tokens + num_new == r.num_tokens for r, num_new, _ in running)
+                        + sum(i.completes_prompt for i in admitted))
+        grants = iter(self.policy.grant(limits, base_tokens, base_commits) if limits else [])
+        return [next(grants) if limit is not None else 0 for _, _, limit in running]
+
+    def _draft_limit(self, request: Request, budget: int) -> DraftLimit | None:
+        if self.spec is None or not (request.is_decoding and request.use_speculation):
+            return None
+        depth = max(0, min(self.spec.num_speculative_tokens, budget - 1, self._room(request)))
+        if depth == 0:
+            return None
+        nodes = min(self.spec.num_tree_nodes, budget - 1) if self.spec.num_tree_nodes else depth
+        return DraftLimit(request, nodes, min(depth, nodes))
+
+    def _reserve(self, request: Request, tokens: int) -> bool:
+        """Allocate blocks for `tokens` more, preempting the newest requests as needed."""
+        while not self.block_manager.can_allocate(request, tokens):
             victim = self.running[-1]
             self.preempt(victim)
-            if victim is item.request:
+            if victim is request:
                 return False
-        self.block_manager.allocate(item.request, tokens)
+        self.block_manager.allocate(request, tokens)
         return True
-
-    def _plan(self, request: Request, budget: int) -> ScheduledRequest:
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        if self.spec is None or not (request.is_decoding and request.use_speculation):
-            return ScheduledRequest(request, num_new)
-        depth = max(0, min(self.spec.num_speculative_tokens, budget - 1, self._room(request)))
-        slots = min(self.spec.num_tree_nodes, budget - 1) if self.spec.num_tree_nodes else depth
-        return ScheduledRequest(request, num_new, slots if depth else 0, min(depth, slots))
 
     def _room(self, request: Request) -> int:
         """Draft tokens that can still be committed: the step commits accepted + 1."""

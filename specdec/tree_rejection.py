@@ -34,9 +34,9 @@ from itertools import chain
 import torch
 from torch import Tensor
 
-from specdec.drafters.tree import DraftTree
 from specdec.rejection import residual_probs
 from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
+from specdec.tree import DraftTree
 
 
 @dataclass

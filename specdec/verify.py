@@ -1,4 +1,9 @@
-"""Turns a forward's logits into committed tokens: plain sampling, chain or tree verification."""
+"""Turns a forward's logits into committed tokens: every request's draft tree is verified
+(a request with no draft is a root-only tree, which is plain sampling).
+
+Chain-shaped trees take a vectorised fast path (specdec/rejection.py), others the
+multi-candidate tree sampler (specdec/tree_rejection.py); the two agree exactly on
+chains, and no other module distinguishes them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,6 +14,8 @@ from specdec.model_runner import ForwardOutput
 from specdec.rejection import rejection_sample
 from specdec.sampler import SamplingTensors, top_logprobs
 from specdec.scheduler import ScheduledRequest
+from specdec.tree import DraftTree
+from specdec.tree_rejection import tree_verify
 
 
 @dataclass
@@ -20,19 +27,19 @@ class Verified:
 
 def verify(
     batch: list[ScheduledRequest],
+    trees: list[DraftTree],  # [B] the trees the forward ran, rooted at each request's last known token
     output: ForwardOutput,
-    draft_probs: list[torch.Tensor | None],  # per request: [num_drafts, V] or None
 ) -> list[Verified]:
     """Per scheduled request: what it commits (empty mid-prefill)."""
     starts = _row_starts(output.num_rows)
     results = [Verified() for _ in batch]
     active = [i for i, rows in enumerate(output.num_rows) if rows > 0]
-    trees = [i for i in active if batch[i].tree is not None]
-    chains = [i for i in active if batch[i].tree is None]
+    chains = [i for i in active if trees[i].is_chain]
+    branching = [i for i in active if not trees[i].is_chain]
     if chains:
-        _verify_chains(batch, output, draft_probs, chains, starts, results)
-    if trees:
-        _verify_trees(batch, output, trees, starts, results)
+        _verify_chains(batch, trees, output, chains, starts, results)
+    if branching:
+        _verify_trees(batch, trees, output, branching, starts, results)
     for i in active:
         _record(batch[i], output, starts[i], results[i])
     return results
@@ -58,25 +65,27 @@ def _gather_rows(output: ForwardOutput, rows: list[int], starts: list[int]) -> t
     return output.logits[torch.tensor(index)]
 
 
-def _verify_chains(batch: list[ScheduledRequest], output: ForwardOutput, draft_probs: list[torch.Tensor | None],
+def _verify_chains(batch: list[ScheduledRequest], trees: list[DraftTree], output: ForwardOutput,
                    rows: list[int], starts: list[int], results: list[Verified]) -> None:
-    drafts = [batch[i].draft_token_ids for i in rows]
-    probs = _stack_draft_probs(drafts, [draft_probs[i] for i in rows], output.logits.shape[1])
+    drafts = [trees[i].token_ids[1:] for i in rows]
+    probs = _stack_draft_probs(drafts, [_chain_probs(trees[i]) for i in rows], output.logits.shape[1])
     sampled = rejection_sample(_gather_rows(output, rows, starts), drafts, probs, _sampling(batch, rows))
     for i, tokens in zip(rows, sampled):
         results[i].tokens = tokens
         results[i].accepted_nodes = list(range(1, len(tokens)))
 
 
-def _verify_trees(batch: list[ScheduledRequest], output: ForwardOutput, rows: list[int], starts: list[int],
-                  results: list[Verified]) -> None:
-    from specdec.tree_rejection import tree_verify
-
-    trees = [batch[i].tree for i in rows]
-    verified = tree_verify(_gather_rows(output, rows, starts), trees, _sampling(batch, rows))  # type: ignore[arg-type]
+def _verify_trees(batch: list[ScheduledRequest], trees: list[DraftTree], output: ForwardOutput,
+                  rows: list[int], starts: list[int], results: list[Verified]) -> None:
+    verified = tree_verify(_gather_rows(output, rows, starts), [trees[i] for i in rows], _sampling(batch, rows))
     for i, result in zip(rows, verified):
         results[i].tokens = result.tokens
         results[i].accepted_nodes = result.accepted_nodes
+
+
+def _chain_probs(tree: DraftTree) -> torch.Tensor | None:  # [num_drafts, V] or None
+    """A chain's draft rows without the root's unused row."""
+    return None if tree.draft_probs is None else tree.draft_probs[1:]
 
 
 def _stack_draft_probs(

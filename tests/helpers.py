@@ -1,13 +1,26 @@
-"""Shared test helpers: paged KV caches and AttentionMetadata for one request."""
+"""Shared test helpers, one section per test folder: paged KV caches and attention
+batches (kernels), whole-engine runs (engine), real HTTP servers over a tiny checkpoint
+(server)."""
 
 from __future__ import annotations
 
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
+import uvicorn
 from torch import Tensor
 
-from specdec.kernels import AttentionMetadata, PagedKV
+from specdec.kernels import AttentionBackend, AttentionMetadata, PagedKV
+from specdec.sampling_params import SamplingParams
 
 
 def make_kv_caches(
@@ -79,3 +92,216 @@ def block_bytes(llm: Any) -> int:
     """Bytes of one 16-slot KV block of `llm`'s engine (every layer, K and V, its KV dtype)."""
     mc, config = llm.engine.model_config, llm.engine.config
     return 16 * mc.num_layers * PagedKV.bytes_per_slot(mc.num_kv_heads, mc.head_dim, config.kv_cache_torch_dtype)
+
+
+# ---- whole-engine runs for tests/engine -------------------------------------------------------
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def token_ids(outputs: Any) -> list[list[int]]:
+    """The first completion's token ids of each RequestOutput."""
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def assert_all_blocks_free(llm: Any) -> None:
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def random_prompts(seed: int, count: int, vocab: int = 384) -> list[list[int]]:
+    """Token-id prompts of noise then a repeated motif (the repeats give n-gram matches)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        motif = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))]
+        noise = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))]
+        prompts.append(noise + motif * rng.randint(1, 4))
+    return prompts
+
+
+def greedy(max_tokens: int = 32, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+# ---- HTTP servers for tests/server -----------------------------------------------------------
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 128
+NUM_BLOCKS = 64
+
+
+@dataclass
+class RunningServer:
+    """uvicorn on 127.0.0.1 (a free port) in a background thread, in front of an AsyncEngine."""
+
+    base_url: str
+    model: str
+    api_key: str | None
+    async_engine: Any  # specdec.server.async_engine.AsyncEngine
+    tokenizer: Any
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def engine(self) -> Any:  # the LLMEngine
+        return self.async_engine.engine
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        kwargs.setdefault("timeout", 30.0)
+        return httpx.Client(base_url=self.base_url, headers=headers, **kwargs)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_server(model_dir: Path, name: str, api_key: str | None, **engine_args: Any) -> RunningServer:
+    """A server for `model_dir` with a KV cache of NUM_BLOCKS blocks (small, so tests can fill it)."""
+    from specdec.llm import LLM
+    from specdec.server.app import build_app
+    from specdec.server.async_engine import AsyncEngine
+
+    block = 2 * 2 * 16 * 2 * 16 * 2  # K+V, 2 layers, 16 slots, 2 kv heads, head_dim 16, fp16 ("auto")
+    llm = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=NUM_BLOCKS * block, **engine_args)
+    async_engine = AsyncEngine(llm.engine)
+    app = build_app(async_engine, name, api_key)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    return RunningServer(f"http://127.0.0.1:{port}", name, api_key, async_engine, llm.engine.tokenizer, server,
+                         thread)
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return bool(condition())
+
+
+def all_blocks_free(running: RunningServer) -> bool:
+    bm = running.engine.block_manager
+    return bool(bm.num_free_blocks == bm.num_blocks)
+
+
+def sse_events(lines: Iterator[str]) -> list[Any]:
+    """Parsed `data:` payloads of an SSE stream; asserts it ends with [DONE]."""
+    events: list[Any] = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        payload = line[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events and events[-1] == "[DONE]", events[-3:]
+    return events[:-1]
+
+
+# ---- attention batches for tests/kernels -----------------------------------------------------
+
+
+def make_meta(
+    specs: list[tuple[int, int]],  # (prefix_len, q_len) per request
+    block_size: int,
+    gen: torch.Generator,
+    trees: list[Tensor] | None = None,  # per request [q_len, q_len] bool, or None
+) -> tuple[AttentionMetadata, int]:
+    """Metadata for the batch with randomly permuted block ids; also the block count."""
+    seq_lens = [p + q for p, q in specs]
+    n_blocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(n_blocks) + 3  # spare blocks hold garbage nobody should read
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(specs), max(n_blocks), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(n_blocks):
+        tables[b, :n] = perm[used : used + n]
+        used += n
+    slots = [
+        int(tables[b, pos // block_size]) * block_size + pos % block_size
+        for b, (p, q) in enumerate(specs)
+        for pos in range(p, p + q)
+    ]
+    q_lens = [q for _, q in specs]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=seq_lens,
+        tree_mask=None if trees is None else _stack_trees(trees, max(q_lens)),
+    )
+    return meta, num_blocks
+
+
+def _stack_trees(trees: list[Tensor], width: int) -> Tensor:  # [T, width]
+    # Padding columns are True so a kernel that reads past q_len gets caught.
+    rows = [torch.cat([t, torch.ones(len(t), width - len(t), dtype=torch.bool)], 1) for t in trees]
+    return torch.cat(rows)
+
+
+def random_parents(n: int, gen: torch.Generator) -> list[int]:
+    """Parent of each node; node 0 is the root (-1), parents precede children."""
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def tree_mask_from_parents(parents: list[int]) -> Tensor:  # [n, n] bool
+    """Row i marks node i and all its ancestors."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def random_trees(specs: list[tuple[int, int]], gen: torch.Generator) -> list[Tensor]:
+    return [tree_mask_from_parents(random_parents(q, gen)) for _, q in specs]
+
+
+def random_masks(specs: list[tuple[int, int]], gen: torch.Generator) -> list[Tensor]:
+    """Per request a [q_len, q_len] mask that is no tree: each token sees itself and a
+    random half of the others."""
+    masks = [torch.rand(q, q, generator=gen) < 0.5 for _, q in specs]
+    for mask in masks:
+        mask.fill_diagonal_(True)
+    return masks
+
+
+def random_inputs(
+    meta: AttentionMetadata, num_blocks: int, block_size: int, hq: int, hkv: int, d: int,
+    gen: torch.Generator, dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, PagedKV]:
+    """Query [T, Hq, D] and caches filled with noise everywhere, query K/V included."""
+    num_tokens = int(meta.query_start_loc[-1])
+    q = torch.randn(num_tokens, hq, d, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
+    return q, PagedKV(k_cache, v_cache)
+
+
+def attend(backend: AttentionBackend[Any], query: Tensor, kv: PagedKV, meta: AttentionMetadata,
+           scale: float) -> Tensor:  # [T, Hq, D] -> [T, Hq, D]
+    """One layer's attention through `backend`, planned for this step."""
+    return backend.forward(query, kv, backend.plan(meta, kv), scale)
+
+
+def store(backend: AttentionBackend[Any], key: Tensor, value: Tensor, kv: PagedKV,
+          meta: AttentionMetadata) -> None:  # key, value: [T, Hkv, D]
+    """One layer's K/V store through `backend` at meta's slots."""
+    backend.store_kv(key, value, kv, backend.plan(meta, kv))

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from specdec.drafters.tree import DraftTree
+from specdec.tree import DraftTree
 from specdec.rejection import rejection_sample
 from specdec.sampler import SamplingTensors, logits_to_probs
 from specdec.sampling_params import SamplingParams

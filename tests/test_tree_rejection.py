@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from specdec import tree_rejection
-from specdec.drafters.tree import DraftTree
+from specdec.tree import DraftTree
 from specdec.rejection import rejection_sample
 from specdec.sampler import SamplingTensors
 from specdec.sampling_params import SamplingParams

@@ -1,5 +1,5 @@
 // y = x W^T (+ b) with fp32 activations and fp16 weights on the CPU: the "cpp-fp16"
-// linear backend (specdec/models/linear.py, through kernels/linear_cpu.py).
+// linear backend (kernels/linear_cpu.py).
 //
 // The weight is packed once into tiles of kLanes output columns (16 with AVX-512, else
 // 8), k-major inside a tile ([ceil(N / kLanes), K, kLanes] fp16, zero-padded), so a tile

@@ -10,8 +10,8 @@
 // query and its key sequence: a verify row reproduces the decode of the same context bit
 // for bit, whatever else is in the batch, however the rows are grouped and however many
 // threads run. Built by specdec/kernels/cpu_build.py (g++ -O3 -march=native -fopenmp)
-// and called through ctypes from attention_cpu.py; attention_ref.py is the reference it
-// is tested against.
+// and called through ctypes from attention_cpu.py; kernels/reference.py is the reference
+// it is tested against.
 #include <cstdint>
 #include <cstring>
 #include <type_traits>

@@ -1,6 +1,6 @@
 // Writes a step's keys and values into the paged cache on the CPU, converted to the
-// cache's dtype: one call per layer where the torch path (kernels/attention_ref.py,
-// store_kv_ref) takes a cast and an index_copy_ for each of K and V, ~20 us of Python
+// cache's dtype: one call per layer where the torch backend (kernels/attention_torch.py,
+// store_kv_torch) takes a cast and an index_copy_ for each of K and V, ~20 us of Python
 // and dispatch per layer at one token. Conversions round to nearest even, as torch's
 // casts do, so the cache holds the same bits either way (tests/kernels/test_store_kv_cpu.py).
 #include <cstdint>

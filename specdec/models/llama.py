@@ -1,17 +1,18 @@
 """Llama-family decoder (Llama/SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Written for batch-1 CPU decoding, where Python and per-op overhead rival the matmuls:
-- q/k/v are one Linear and gate/up another (the loader fuses them), so a layer is four
-  matmuls; we call F.linear on raw parameters rather than through nn.Linear modules.
+- q/k/v are one projection and gate/up another (the loader fuses them), so a layer is
+  four matmuls.
 - q and k sit next to each other in the fused projection, so the Qwen3 q/k norm and RoPE
   each run once on a [T, Hq + Hkv, D] view instead of separately on q and k.
 - cos/sin are looked up once per forward and shared by every layer; sin carries
   rotate_half's sign, making RoPE three ops (mul, roll, addcmul).
 - Residual adds happen in place on freshly produced outputs.
-- Projections and the LM head can run on a packed CPU linear backend (fp16, int8, ...,
-  see specdec/models/linear.py): `linear` is then set and each projection multiplies by
-  its `*_packed` weight; with `linear` None (fp32, the default) they call F.linear on the
-  parameters exactly as before.
+- Each projection and the LM head is a PackedLinear (specdec/models/linear.py) holding
+  its linear backend (kernels/linear.py: fp32 F.linear by default, fp16, int8, ...) and
+  its weight packed for it; `use_linear_backend` repacks them all.
+- Attention goes through the model's attention backend (kernels/attention.py), chosen
+  once: it plans each step once (`plan`), then every layer stores its K/V and attends.
 Parameters have requires_grad=False: this is an inference engine, and it keeps autograd
 out of the way even when a caller forgets torch.inference_mode().
 """
@@ -19,17 +20,16 @@ out of the way even when a caller forgets torch.inference_mode().
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.kernels import AttentionMetadata, PagedKV, paged_attention, rms_norm_cpu, store_kv
+from specdec.kernels import AttentionBackend, AttentionMetadata, AttentionPlan, PagedKV, rms_norm_cpu
+from specdec.kernels.linear_base import LinearBackend
 from specdec.models.config import ModelConfig, RopeConfig
-
-if TYPE_CHECKING:
-    from specdec.models.linear import LinearBackend
+from specdec.models.linear import PackedLinear, install_linears, pack_linears
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -102,17 +102,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP block with fused projections."""
 
-    qkv_bias: nn.Parameter | None
-    o_bias: nn.Parameter | None
     qk_norm: nn.Parameter | None
-    gate_up_bias: nn.Parameter | None
-    down_bias: nn.Parameter | None
-    # Set by specdec.models.linear.apply_linear_backend; None: F.linear on the parameters.
-    linear: LinearBackend | None = None
-    qkv_packed: Any = None
-    o_packed: Any = None
-    gate_up_packed: Any = None
-    down_packed: Any = None
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
@@ -131,22 +121,18 @@ class LlamaDecoderLayer(nn.Module):
         hidden, q_width = config.hidden_size, config.num_heads * config.head_dim
         qkv_width = self.qk_width + config.num_kv_heads * config.head_dim
         self.input_norm = _param((hidden,), dtype, device)
-        self.qkv_proj = _param((qkv_width, hidden), dtype, device)
-        self.qkv_bias = _optional_param(config.attention_bias, (qkv_width,), dtype, device)
+        self.qkv_proj = PackedLinear(hidden, qkv_width, config.attention_bias, dtype, device)
         qk_heads = config.num_heads + config.num_kv_heads
         self.qk_norm = _optional_param(config.qk_norm, (qk_heads, config.head_dim), dtype, device)
-        self.o_proj = _param((hidden, q_width), dtype, device)
-        self.o_bias = _optional_param(config.o_proj_bias, (hidden,), dtype, device)
+        self.o_proj = PackedLinear(q_width, hidden, config.o_proj_bias, dtype, device)
 
     def _init_mlp(
         self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         hidden, inter = config.hidden_size, config.intermediate_size
         self.post_attn_norm = _param((hidden,), dtype, device)
-        self.gate_up_proj = _param((2 * inter, hidden), dtype, device)
-        self.gate_up_bias = _optional_param(config.mlp_bias, (2 * inter,), dtype, device)
-        self.down_proj = _param((hidden, inter), dtype, device)
-        self.down_bias = _optional_param(config.mlp_bias, (hidden,), dtype, device)
+        self.gate_up_proj = PackedLinear(hidden, 2 * inter, config.mlp_bias, dtype, device)
+        self.down_proj = PackedLinear(inter, hidden, config.mlp_bias, dtype, device)
 
     def forward(
         self,
@@ -154,10 +140,11 @@ class LlamaDecoderLayer(nn.Module):
         cos: Tensor,  # [T, 1, D]
         sin: Tensor,  # [T, 1, D]
         kv_cache: PagedKV,
-        meta: AttentionMetadata,
+        attention: AttentionBackend[Any],
+        plan: AttentionPlan,  # attention.plan of this step
     ) -> Tensor:  # [T, hidden]
         attn_in = rms_norm(hidden, self.input_norm, self.eps)
-        hidden = self._attention(attn_in, cos, sin, kv_cache, meta).add_(hidden)
+        hidden = self._attention(attn_in, cos, sin, kv_cache, attention, plan).add_(hidden)
         mlp_in = rms_norm(hidden, self.post_attn_norm, self.eps)
         return self._mlp(mlp_in).add_(hidden)
 
@@ -167,34 +154,25 @@ class LlamaDecoderLayer(nn.Module):
         cos: Tensor,  # [T, 1, D]
         sin: Tensor,  # [T, 1, D]
         kv_cache: PagedKV,
-        meta: AttentionMetadata,
+        attention: AttentionBackend[Any],
+        plan: AttentionPlan,
     ) -> Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
-        if self.linear is None:
-            qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
-        else:
-            qkv = self.linear.apply(x, self.qkv_packed)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         qk = qkv[:, : self.qk_width].view(num_tokens, -1, self.head_dim)  # [T, Hq + Hkv, D]
         v = qkv[:, self.qk_width :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
             qk = rms_norm(qk, self.qk_norm, self.eps)
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        store_kv(k, v, kv_cache, meta.slot_mapping)
-        out = paged_attention(q, kv_cache, meta, self.scale)  # [T, Hq, D]
-        if self.linear is None:
-            return F.linear(out.reshape(num_tokens, -1), self.o_proj, self.o_bias)
-        return self.linear.apply(out.reshape(num_tokens, -1), self.o_packed)
+        attention.store_kv(k, v, kv_cache, plan)
+        out = attention.forward(q, kv_cache, plan, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, -1))
 
     def _mlp(self, x: Tensor) -> Tensor:  # [T, hidden] -> [T, hidden]
-        if self.linear is None:
-            gate_up = F.linear(x, self.gate_up_proj, self.gate_up_bias)  # [T, 2 I]
-        else:
-            gate_up = self.linear.apply(x, self.gate_up_packed)
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        if self.linear is None:
-            return F.linear(F.silu(gate).mul_(up), self.down_proj, self.down_bias)
-        return self.linear.apply(F.silu(gate).mul_(up), self.down_packed)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -202,18 +180,18 @@ class LlamaForCausalLM(nn.Module):
 
     Construct with `specdec.models.load_model`; a bare constructor leaves weights
     uninitialised. Call under torch.inference_mode().
+
+    `attention_backend` (a plain attribute, replaceable between steps) computes attention;
+    every projection starts on the fp32 linear backend until `use_linear_backend`.
     """
 
-    lm_head: nn.Parameter | None  # None when tied to embed_tokens
     rope_cos: Tensor
     rope_sin: Tensor
-    # Set by specdec.models.linear.apply_linear_backend (the LM head's packed weight).
-    linear: LinearBackend | None = None
-    lm_head_packed: Any = None
 
     def __init__(
         self,
         config: ModelConfig,
+        attention_backend: AttentionBackend[Any],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         max_positions: int | None = None,
@@ -221,15 +199,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.attention_backend = attention_backend
         hidden, vocab = config.hidden_size, config.vocab_size
         self.embed_tokens = _param((vocab, hidden), dtype, device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, dtype, device) for _ in range(config.num_layers)
         )
         self.norm = _param((hidden,), dtype, device)
-        self.lm_head = _optional_param(
-            not config.tie_word_embeddings, (vocab, hidden), dtype, device
-        )
+        tied = self.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = PackedLinear(hidden, vocab, False, dtype, device, weight=tied)
         self._init_rope(config, max_positions or config.max_position_embeddings, dtype, device)
 
     def _init_rope(
@@ -250,7 +228,25 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> Tensor:  # [vocab, hidden]
-        return self.embed_tokens if self.lm_head is None else self.lm_head
+        return self.lm_head.weight
+
+    @property
+    def linear_backend(self) -> LinearBackend:
+        """The linear backend every projection runs on."""
+        return self.lm_head.backend
+
+    def use_linear_backend(self, backend: LinearBackend) -> None:
+        """Repack every projection (qkv, o, gate_up, down) and the LM head for `backend`
+        and make the forward use them; the parameters are left as they are. ValueError if
+        `backend` needs float32 and the model is not."""
+        install_linears(self, pack_linears(self, backend))
+
+    def tie_weights(self) -> None:
+        """Point a tied LM head at the current embedding table (after the loader replaced
+        it) and repack it for its backend."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens
+            self.lm_head.use_backend(self.lm_head.backend)
 
     def forward(
         self,
@@ -262,14 +258,14 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos = F.embedding(positions, self.rope_cos).unsqueeze(1)  # [T, 1, D]
         sin = F.embedding(positions, self.rope_sin).unsqueeze(1)
+        attention = self.attention_backend
+        plan = attention.plan(meta, kv_caches[0])  # once per step, for every layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+            hidden = layer(hidden, cos, sin, kv_cache, attention, plan)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab] float32
-        if self.linear is None:
-            return F.linear(hidden, self.lm_head_weight).float()
-        return self.linear.apply(hidden, self.lm_head_packed)
+        return self.lm_head(hidden).float()
 
     def hf_embedding_weights(self) -> dict[str, Tensor]:
         """Embedding and LM head under their HF names, e.g. as `fallback_weights` for a

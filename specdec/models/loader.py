@@ -3,7 +3,8 @@
 Each of our parameters is filled from one or more HF tensors stacked along dim 0 (q/k/v
 into qkv_proj, gate/up into gate_up_proj); pieces are copied straight into slices of the
 destination, so no fused temporary is ever materialised. Tensors are read lazily through
-safetensors' memory map, one at a time.
+safetensors' memory map, one at a time. The model gets its attention backend at
+construction and its linear backend once the weights are in.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from specdec.kernels.attention import AttentionBackend, make_attention_backend
+from specdec.kernels.linear import get_linear_backend, resolve_linear_backend
 from specdec.models.config import ModelConfig
 from specdec.models.llama import LlamaForCausalLM
 
@@ -47,9 +50,16 @@ def load_model(
     device: torch.device | str = "cpu",
     fallback_weights: dict[str, Tensor] | None = None,
     max_positions: int | None = None,
+    linear_backend: str = "fp32",
+    attention_backend: str | AttentionBackend[Any] = "auto",
 ) -> LlamaForCausalLM:
     """Build the model described by model_dir/config.json and load its safetensors.
 
+    linear_backend names the projections' backend (kernels/linear.py; "auto": the
+    default for `dtype`); attention_backend names the attention backend
+    (kernels/attention.py; "auto": the C++ kernels where they build, else torch) or is
+    one to share (a draft model shares its target's). ValueError for an unknown or
+    unavailable backend, KernelBuildError if attention "cpp" cannot build here.
     fallback_weights (HF names) supply tensors the checkpoint lacks, e.g. a draft model
     stored without the embedding/LM head it shares with its target; a fallback tensor
     already in the right shape, dtype and device is shared, not copied, so the draft adds
@@ -58,7 +68,10 @@ def load_model(
     Raises ValueError for unsupported architectures and for missing or misshapen weights.
     """
     config = ModelConfig.from_dir(model_dir)
-    model = LlamaForCausalLM(config, dtype=dtype, device=device, max_positions=max_positions)
+    linear = get_linear_backend(resolve_linear_backend(linear_backend, dtype))
+    attention = (make_attention_backend(attention_backend, device) if isinstance(attention_backend, str)
+                 else attention_backend)
+    model = LlamaForCausalLM(config, attention, dtype=dtype, device=device, max_positions=max_positions)
     plan = weight_plan(config)
     with _open_checkpoint(Path(model_dir)) as tensors, torch.no_grad():
         source = _Source(tensors, fallback_weights or {})
@@ -73,6 +86,8 @@ def load_model(
             else:
                 _replace_parameter(model, name, shared)
         _warn_unused(tensors, plan, config)
+    model.tie_weights()
+    model.use_linear_backend(linear)
     return model.eval()
 
 
@@ -83,7 +98,7 @@ def weight_plan(config: ModelConfig) -> WeightPlan:
         "norm": [_Piece("model.norm.weight", config.hidden_size)],
     }
     if not config.tie_word_embeddings:
-        plan["lm_head"] = [_Piece("lm_head.weight", config.vocab_size)]
+        plan["lm_head.weight"] = [_Piece("lm_head.weight", config.vocab_size)]
     for i in range(config.num_layers):
         plan.update(_attention_plan(config, i))
         plan.update(_mlp_plan(config, i))
@@ -97,13 +112,13 @@ def _attention_plan(config: ModelConfig, i: int) -> WeightPlan:
         ours + "input_norm": [
             _Piece(f"model.layers.{i}.input_layernorm.weight", config.hidden_size)
         ],
-        ours + "qkv_proj": _qkv_pieces(hf, "weight", q_rows, kv_rows),
-        ours + "o_proj": [_Piece(hf + "o_proj.weight", config.hidden_size)],
+        ours + "qkv_proj.weight": _qkv_pieces(hf, "weight", q_rows, kv_rows),
+        ours + "o_proj.weight": [_Piece(hf + "o_proj.weight", config.hidden_size)],
     }
     if config.attention_bias:
-        plan[ours + "qkv_bias"] = _qkv_pieces(hf, "bias", q_rows, kv_rows)
+        plan[ours + "qkv_proj.bias"] = _qkv_pieces(hf, "bias", q_rows, kv_rows)
     if config.o_proj_bias:
-        plan[ours + "o_bias"] = [_Piece(hf + "o_proj.bias", config.hidden_size)]
+        plan[ours + "o_proj.bias"] = [_Piece(hf + "o_proj.bias", config.hidden_size)]
     if config.qk_norm:
         plan[ours + "qk_norm"] = [
             _Piece(hf + "q_norm.weight", config.num_heads, broadcast=True),
@@ -126,18 +141,18 @@ def _mlp_plan(config: ModelConfig, i: int) -> WeightPlan:
     norm = f"model.layers.{i}.post_attention_layernorm.weight"
     plan = {
         ours + "post_attn_norm": [_Piece(norm, hidden)],
-        ours + "gate_up_proj": [
+        ours + "gate_up_proj.weight": [
             _Piece(hf + "gate_proj.weight", inter),
             _Piece(hf + "up_proj.weight", inter),
         ],
-        ours + "down_proj": [_Piece(hf + "down_proj.weight", hidden)],
+        ours + "down_proj.weight": [_Piece(hf + "down_proj.weight", hidden)],
     }
     if config.mlp_bias:
-        plan[ours + "gate_up_bias"] = [
+        plan[ours + "gate_up_proj.bias"] = [
             _Piece(hf + "gate_proj.bias", inter),
             _Piece(hf + "up_proj.bias", inter),
         ]
-        plan[ours + "down_bias"] = [_Piece(hf + "down_proj.bias", hidden)]
+        plan[ours + "down_proj.bias"] = [_Piece(hf + "down_proj.bias", hidden)]
     return plan
 
 

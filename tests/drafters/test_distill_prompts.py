@@ -11,8 +11,9 @@ EVAL_PROMPTS = Path(__file__).parents[2] / "evals" / "prompts"
 
 
 def _writing() -> set[str]:
-    prompts = {t.format(x=x) for t in dd.WRITING_TEMPLATES for x in dd.WRITING_TOPICS}
-    return prompts | {t.format(role=r, audience=a) for t in dd.ROLE_PLAYS for r, a in dd.ROLES}
+    pool = dd.prompt_pools()["writing"]
+    prompts = {t.format(x=x) for t in pool["templates"] for x in pool["topics"]}
+    return prompts | {t.format(role=r, audience=a) for t in pool["role_plays"] for r, a in pool["roles"]}
 
 
 def test_no_distillation_prompt_is_an_evaluation_prompt() -> None:

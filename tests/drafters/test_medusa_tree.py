@@ -7,7 +7,7 @@ import random
 import torch
 
 from specdec.drafters.medusa_tree import best_choices, expected_accepted, rank_prefix_counts
-from specdec.drafters.tree import DraftTree
+from specdec.drafters.tree_choices import tree_from_choices
 
 K = 3  # rank K = the true token was not in the head's top-K
 
@@ -49,5 +49,5 @@ def test_best_choices_build_a_prunable_tree() -> None:
     choices = best_choices(ranks, K, 10)
     assert choices[:3] == [(0,), (0, 0), (0, 0, 0)]
     topk = [[10 + r for r in range(K)], [20 + r for r in range(K)], [30 + r for r in range(K)]]
-    tree = DraftTree.from_choices(1, topk, choices).prune(2)
+    tree = tree_from_choices(1, topk, choices).prune(2)
     assert tree.token_ids == [1, 10, 20] and tree.parents == [-1, 0, 1]

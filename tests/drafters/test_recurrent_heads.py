@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from specdec.drafters import recurrent_heads
-from specdec.drafters.base import DraftRequest
-from specdec.drafters import recurrent_drafter as rcd
-from specdec.drafters.recurrent_drafter import RecurrentDrafter
-from specdec.drafters.recurrent_heads import RecurrentHeads
 
 from specdec import SamplingParams
+from specdec.drafters import recurrent_drafter as rcd
+from specdec.drafters import recurrent_heads
+from specdec.drafters.base import DraftRequest
+from specdec.drafters.recurrent_drafter import RecurrentDrafter
+from specdec.drafters.recurrent_heads import RecurrentHeads
+from specdec.tree import DraftTree
 
 HIDDEN, VOCAB = 16, 40
 
@@ -32,8 +33,19 @@ def drafter(choices: list[tuple[int, ...]], num_steps: int = 3, seed: int = 0,
 
 def request(seed: int, depth: int = 3, max_nodes: int = 0, params: SamplingParams | None = None) -> DraftRequest:
     hidden = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(100 + seed))
-    return DraftRequest(str(seed), [1, 2, 3 + seed], depth, params or SamplingParams(temperature=0.0), max_nodes,
-                        hidden)
+    return DraftRequest(str(seed), [1, 2, 3 + seed], max_nodes or depth, depth,
+                        params or SamplingParams(temperature=0.0), hidden)
+
+
+def trees(d: RecurrentDrafter, requests: list[DraftRequest]) -> list[DraftTree]:
+    """The drafter's trees (it drafts trees when built for a branching config)."""
+    d.branching = True
+    return d.propose(requests)
+
+
+def chains(d: RecurrentDrafter, requests: list[DraftRequest]) -> list[DraftTree]:
+    d.branching = False
+    return d.propose(requests)
 
 
 def ranked(d: RecurrentDrafter, hidden: torch.Tensor, path: list[int]) -> list[int]:
@@ -60,7 +72,7 @@ def test_tree_nodes_are_the_ranked_guesses_after_their_own_path(vocab: torch.Ten
     choices = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (2,)]
     d = drafter(choices, vocab=vocab)
     req = request(0, max_nodes=len(choices))
-    tree = d.propose([req])[0].tree
+    tree = trees(d, [req])[0]
     assert tree is not None
     token = {(): req.token_ids[-1]}
     for c in sorted(choices, key=len):  # the drafter's node order: by depth, then priority
@@ -72,10 +84,10 @@ def test_tree_nodes_are_the_ranked_guesses_after_their_own_path(vocab: torch.Ten
 
 def test_greedy_chain_is_the_rank_zero_path_and_batching_changes_nothing() -> None:
     d = drafter([(0,), (0, 0), (0, 0, 0)])
-    alone = [d.propose([request(s)])[0].token_ids for s in range(3)]
-    batched = [draft.token_ids for draft in d.propose([request(0), request(1, depth=2), request(2)])]
+    alone = [chains(d, [request(s)])[0].token_ids[1:] for s in range(3)]
+    batched = [draft.token_ids[1:] for draft in chains(d, [request(0), request(1, depth=2), request(2)])]
     assert batched == [alone[0], alone[1][:2], alone[2]]
-    tree = d.propose([request(0, max_nodes=3)])[0].tree
+    tree = trees(d, [request(0, max_nodes=3)])[0]
     assert tree is not None and tree.token_ids[1:] == alone[0]
 
 
@@ -86,10 +98,10 @@ def test_sampled_chain_draws_from_the_distribution_it_reports(vocab: torch.Tenso
     counts = torch.zeros(VOCAB)
     trials = 4000
     for _ in range(trials):
-        draft = d.propose([request(0, depth=1, params=params)])[0]
-        assert draft.probs is not None and draft.probs.shape == (1, VOCAB)
-        counts[draft.token_ids[0]] += 1
-    probs = draft.probs[0]
+        draft = chains(d, [request(0, depth=1, params=params)])[0]
+        assert draft.draft_probs is not None and draft.draft_probs.shape == (2, VOCAB)  # root row, then the draft
+        counts[draft.token_ids[1]] += 1
+    probs = draft.draft_probs[1]
     # Chi-square over the tokens with expected count >= 5 (a wrong or stale distribution
     # is off by far more).
     expected = probs * trials
@@ -105,7 +117,7 @@ def test_sampled_chain_draws_from_the_distribution_it_reports(vocab: torch.Tenso
 def test_chains_unroll_past_the_trained_depth() -> None:
     d = drafter([(0,)], num_steps=2)
     req = request(0, depth=5)
-    chain = d.propose([req])[0].token_ids
+    chain = chains(d, [req])[0].token_ids[1:]
     assert len(chain) == 5
     assert chain == [ranked(d, req.hidden, [req.token_ids[-1]] + chain[:i])[0] for i in range(5)]  # type: ignore[arg-type]
 
@@ -114,7 +126,7 @@ def test_dynamic_tree_keeps_the_best_cumulative_guesses() -> None:
     d = drafter([(0,)], vocab=torch.tensor([0, 3, 4, 7, 9, 12, 20, 21, 30, 39]))
     d.dynamic = True
     req = request(0, depth=3, max_nodes=5)
-    tree = d.propose([req])[0].tree
+    tree = trees(d, [req])[0]
     assert tree is not None and tree.num_drafts == 5 and tree.max_depth <= 3
     # Every node is one of its path's top-`width` next tokens, scored by cumulative
     # log-prob; a node never outscores its parent, and the best depth-1 guess left out
@@ -131,8 +143,8 @@ def test_dynamic_tree_keeps_the_best_cumulative_guesses() -> None:
     assert [tree.token_ids[n] for n in depth1] == best[:len(depth1)]
     left_out = logprob(d, req.hidden, [req.token_ids[-1]], best[len(depth1)])  # type: ignore[arg-type]
     assert len(depth1) < 5 and all(score[n] >= left_out for n in range(1, tree.num_nodes))
-    alone = [d.propose([request(s, depth=3, max_nodes=5)])[0].tree for s in range(2)]
-    batched = [x.tree for x in d.propose([request(0, depth=3, max_nodes=5), request(1, depth=3, max_nodes=5)])]
+    alone = [trees(d, [request(s, depth=3, max_nodes=5)])[0] for s in range(2)]
+    batched = trees(d, [request(0, depth=3, max_nodes=5), request(1, depth=3, max_nodes=5)])
     assert [t.token_ids for t in batched] == [t.token_ids for t in alone]  # type: ignore[union-attr]
 
 
@@ -140,12 +152,12 @@ def reference_dynamic_tree(d: RecurrentDrafter, req: DraftRequest) -> tuple[list
     """EAGLE-2 by hand: per depth, each frontier node's `width` best next tokens; the
     `width` best new ones (cumulative log-prob) form the next frontier; the tree keeps
     the max_nodes best candidates, best-first from the root."""
-    from specdec.drafters.tree import best_first
+    from specdec.tree import best_first
 
-    width = min(rcd.DYNAMIC_WIDTH, req.max_nodes)
+    width = min(rcd.DYNAMIC_WIDTH, req.num_draft_tokens)
     paths: list[list[int]] = [[req.token_ids[-1]]]  # by node id; id 0 the root
     scores, parents, frontier = [0.0], [], [0]
-    for _ in range(req.num_tokens):
+    for _ in range(req.max_depth):
         new = []
         for node in frontier:
             for token in ranked(d, req.hidden, paths[node])[:width]:  # type: ignore[arg-type]
@@ -154,7 +166,7 @@ def reference_dynamic_tree(d: RecurrentDrafter, req: DraftRequest) -> tuple[list
                 scores.append(scores[node] + logprob(d, req.hidden, paths[node], token))  # type: ignore[arg-type]
                 new.append(len(paths) - 1)
         frontier = sorted(new, key=lambda n: -scores[n])[:width]
-    kept = best_first(parents, scores[1:], req.max_nodes)
+    kept = best_first(parents, scores[1:], req.num_draft_tokens)
     index = {0: 0} | {k + 1: i + 1 for i, k in enumerate(kept)}
     return [paths[0][-1]] + [paths[k + 1][-1] for k in kept], [-1] + [index[parents[k]] for k in kept]
 
@@ -164,7 +176,7 @@ def test_dynamic_tree_equals_a_reference_expansion(seed: int, max_nodes: int) ->
     d = drafter([(0,)], seed=seed)
     d.dynamic = True
     req = request(seed, depth=4, max_nodes=max_nodes)
-    tree = d.propose([req])[0].tree
+    tree = trees(d, [req])[0]
     assert tree is not None and (tree.token_ids, tree.parents) == reference_dynamic_tree(d, req)
     assert tree.max_depth >= 3  # deep nodes are kept, so the frontier choice matters
 
@@ -172,10 +184,10 @@ def test_dynamic_tree_equals_a_reference_expansion(seed: int, max_nodes: int) ->
 def test_depth_and_node_budget_are_respected() -> None:
     choices = [(0,), (0, 0), (1,), (0, 0, 0), (0, 1)]
     d = drafter(choices)
-    tree = d.propose([request(0, depth=2, max_nodes=4)])[0].tree
+    tree = trees(d, [request(0, depth=2, max_nodes=4)])[0]
     assert tree is not None and tree.max_depth <= 2 and tree.num_drafts == 4
-    blind = DraftRequest("x", [1, 2], 3, SamplingParams(temperature=0.0))
-    assert d.propose([blind])[0].token_ids == []  # no hidden state yet: no draft
+    blind = DraftRequest("x", [1, 2], 3, 3, SamplingParams(temperature=0.0))
+    assert d.propose([blind])[0].token_ids == [2]  # no hidden state yet: the root alone
 
 
 def test_save_and_load_round_trip(tmp_path: Path) -> None:
@@ -236,5 +248,5 @@ def test_training_learns_a_deterministic_continuation() -> None:
 
 def test_choices_without_their_parent_are_dropped() -> None:
     d = drafter([(0,), (1, 0), (0, 0), (1,), (0, 0, 0)])  # (1, 0) comes before its parent
-    tree = d.propose([request(0, max_nodes=5)])[0].tree
+    tree = trees(d, [request(0, max_nodes=5)])[0]
     assert tree is not None and tree.num_drafts == 4 and tree.depths == [0, 1, 1, 2, 3]

@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+
 from specdec.drafters import self_instruct as si
+
+Target = tuple[Any, Any]  # (model, tokenizer)
 
 
 @pytest.fixture(scope="module")
-def target(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
+def target(tiny_model_dir: Path) -> Target:
     """The tiny model, nudged towards ending its turn so messages finish within the cap."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -22,17 +26,17 @@ def target(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
     return model, tokenizer
 
 
-def test_prefix_is_the_template_up_to_the_user_message(target) -> None:  # type: ignore[no-untyped-def]
+def test_prefix_is_the_template_up_to_the_user_message(target: Target) -> None:
     _, tokenizer = target
     assert si.user_turn_prefix(tokenizer) == "<|im_start|>user\n"
 
 
-def test_end_of_turn_is_the_templates_marker(target) -> None:  # type: ignore[no-untyped-def]
+def test_end_of_turn_is_the_templates_marker(target: Target) -> None:
     model, tokenizer = target
     assert si.end_of_turn_id(tokenizer, model) == tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
-def test_samples_are_distinct_finished_turns_and_seeded(target) -> None:  # type: ignore[no-untyped-def]
+def test_samples_are_distinct_finished_turns_and_seeded(target: Target) -> None:
     model, tokenizer = target
     prompts = si.sample_prompts(model, tokenizer, 12, seed=3, batch_size=8, progress=False)
     assert len(prompts) == len(set(prompts)) == 12
@@ -41,7 +45,7 @@ def test_samples_are_distinct_finished_turns_and_seeded(target) -> None:  # type
     assert si.sample_prompts(model, tokenizer, 12, seed=4, batch_size=8, progress=False) != prompts
 
 
-def test_unfinished_messages_are_dropped(target) -> None:  # type: ignore[no-untyped-def]
+def test_unfinished_messages_are_dropped(target: Target) -> None:
     model, tokenizer = target
     handle = model.lm_head.register_forward_hook(
         lambda module, inputs, out: out - 1e4 * (torch.arange(out.shape[-1]) == si.end_of_turn_id(tokenizer, model)))
@@ -51,10 +55,10 @@ def test_unfinished_messages_are_dropped(target) -> None:  # type: ignore[no-unt
         handle.remove()
 
 
-def test_cache_is_written_once_and_reused(target, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_cache_is_written_once_and_reused(target: Target, tmp_path: Path) -> None:
     calls: list[int] = []
 
-    def load():  # type: ignore[no-untyped-def]
+    def load() -> Target:
         calls.append(1)
         return target
 
@@ -64,7 +68,7 @@ def test_cache_is_written_once_and_reused(target, tmp_path: Path) -> None:  # ty
     assert calls == [1]
 
 
-def test_a_model_that_never_ends_its_turn_is_an_error(target, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_model_that_never_ends_its_turn_is_an_error(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
     model, tokenizer = target
     monkeypatch.setattr(si, "sample_batch", lambda *args: [])
     with pytest.raises(RuntimeError, match="no new finished user message"):

@@ -9,9 +9,8 @@ import pytest
 
 from specdec import LLM
 from specdec.adaptive import PROBE_EVERY, AdaptiveSpeculation, CostModel
-from specdec.scheduler import ScheduledRequest
-from tests.engine.test_generate import assert_all_blocks_free, token_ids
-from tests.engine.test_speculative import greedy, random_prompts
+from specdec.speculation import DraftLimit
+from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
 
 
 class FixedCost(CostModel):
@@ -34,12 +33,15 @@ def linear_cost() -> CostModel:
     return CostModel([1, 64], [0.01, 0.64])
 
 
-def item(request_id: str, depth: int, prefill: bool = False) -> ScheduledRequest:
-    request: Any = SimpleNamespace(request_id=request_id, num_computed_tokens=0, num_tokens=1)
-    scheduled = ScheduledRequest(request, num_new_tokens=1, num_lookahead=depth, max_depth=depth)
-    if prefill:
-        request.num_tokens = 100
-    return scheduled
+def limit(request_id: str, depth: int, nodes: int = 0) -> DraftLimit:
+    request: Any = SimpleNamespace(request_id=request_id)
+    return DraftLimit(request, nodes or depth, depth)
+
+
+def grant(planner: AdaptiveSpeculation, limits: list[DraftLimit], base_tokens: int | None = None) -> list[int]:
+    """The planner's grants for a step of decoding requests (one known token each)."""
+    count = len(limits)
+    return planner.grant(limits, count if base_tokens is None else base_tokens, count)
 
 
 def test_cost_model_fits_measured_steps() -> None:
@@ -57,69 +59,52 @@ def test_cost_model_fits_measured_steps() -> None:
 
 
 def test_flat_cost_keeps_every_draft() -> None:
-    planner = AdaptiveSpeculation(flat_cost(), tree_mode=False)
-    batch = [item("a", 5), item("b", 3), item("c", 0)]
-    planner.plan(batch)
-    assert [(i.max_depth, i.num_lookahead) for i in batch] == [(5, 5), (3, 3), (0, 0)]
+    planner = AdaptiveSpeculation(flat_cost(), whole_drafts=False)
+    assert planner.grant([limit("a", 5), limit("b", 3)], 3, 3) == [5, 3]
 
 
 def test_linear_cost_turns_speculation_off_then_probes() -> None:
-    planner = AdaptiveSpeculation(linear_cost(), tree_mode=False)
+    planner = AdaptiveSpeculation(linear_cost(), whole_drafts=False)
     for step in range(1, PROBE_EVERY + 1):
-        batch = [item("a", 4)]
-        planner.plan(batch)
         expected = 1 if step == PROBE_EVERY else 0  # a one-token probe keeps its rates current
-        assert batch[0].max_depth == batch[0].num_lookahead == expected
+        assert grant(planner, [limit("a", 4)]) == [expected]
 
 
 def test_better_requests_get_drafts_first() -> None:
-    planner = AdaptiveSpeculation(CostModel([1, 2, 64], [0.01, 0.0115, 0.2]), tree_mode=False)
+    planner = AdaptiveSpeculation(CostModel([1, 2, 64], [0.01, 0.0115, 0.2]), whole_drafts=False)
     for _ in range(10):
-        planner.observe_verify("good", 4, 4, tree=False)
-        planner.observe_verify("bad", 4, 0, tree=False)
-    batch = [item("bad", 4), item("good", 4)]
-    planner.plan(batch)
-    assert batch[0].max_depth == 0 and batch[1].max_depth >= 1
+        planner.observe_verify("good", 4, 4)
+        planner.observe_verify("bad", 4, 0)
+    bad, good = grant(planner, [limit("bad", 4), limit("good", 4)])
+    assert bad == 0 and good >= 1
 
 
 def test_acceptance_runs_make_later_tokens_worth_more() -> None:
     """All-or-nothing verifies (an n-gram match either holds or not): half the first
     tokens are accepted, but once one is, the rest follow, so deep drafts still pay."""
-    planner = AdaptiveSpeculation(CostModel([1, 8, 64], [0.010, 0.012, 0.1]), tree_mode=False)
+    planner = AdaptiveSpeculation(CostModel([1, 8, 64], [0.010, 0.012, 0.1]), whole_drafts=False)
     for _ in range(10):
-        planner.observe_verify("runs", 5, 5, tree=False)
-        planner.observe_verify("runs", 5, 0, tree=False)
+        planner.observe_verify("runs", 5, 5)
+        planner.observe_verify("runs", 5, 0)
     counts = planner.stats.get("runs")
     assert counts.first == pytest.approx(0.5, abs=0.1) and counts.later > 0.9
     assert counts.gain(5) > 0.4
-    batch = [item("runs", 5)]
-    planner.plan(batch)
-    assert batch[0].max_depth == 5
+    assert grant(planner, [limit("runs", 5)]) == [5]
 
 
-def test_tree_is_all_or_nothing() -> None:
-    planner = AdaptiveSpeculation(CostModel([1, 64], [0.01, 0.012]), tree_mode=True)
-    batch = [item("t", 4)]
-    batch[0].num_lookahead = 16
-    planner.plan(batch)
-    assert (batch[0].max_depth, batch[0].num_lookahead) == (4, 16)
-    slow = AdaptiveSpeculation(linear_cost(), tree_mode=True)
-    batch = [item("t", 4)]
-    batch[0].num_lookahead = 16
-    slow.plan(batch)
-    assert (batch[0].max_depth, batch[0].num_lookahead) == (0, 0)
+def test_whole_drafts_are_all_or_nothing() -> None:
+    planner = AdaptiveSpeculation(CostModel([1, 64], [0.01, 0.012]), whole_drafts=True)
+    assert grant(planner, [limit("t", 4, nodes=16)]) == [16]
+    slow = AdaptiveSpeculation(linear_cost(), whole_drafts=True)
+    assert grant(slow, [limit("t", 4, nodes=16)]) == [0]
 
 
 def test_prefill_rows_count_in_the_cost() -> None:
     """A long prefill chunk in the same forward makes a few more draft rows nearly free."""
     cost = CostModel([1, 64, 512], [0.01, 0.02, 0.6])
-    planner = AdaptiveSpeculation(cost, tree_mode=False)
-    alone = [item("a", 4)]
-    planner.plan(alone)
-    with_prefill = [item("a", 4), item("p", 0, prefill=True)]
-    with_prefill[1].num_new_tokens = 60
-    planner.plan(with_prefill)
-    assert with_prefill[0].max_depth >= 1
+    planner = AdaptiveSpeculation(cost, whole_drafts=False)
+    grant(planner, [limit("a", 4)])
+    assert planner.grant([limit("a", 4)], 61, 1)[0] >= 1  # 60 prefill tokens join the step
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_tree"])
@@ -132,8 +117,8 @@ def test_adaptive_engine_is_lossless(tiny_model_dir: Any, tiny_draft_dir: Any, m
     }
     plain = LLM(str(tiny_model_dir), max_model_len=256)
     spec = LLM(str(tiny_model_dir), max_model_len=256, speculative_config={**configs[method], "adaptive": True})
-    planner = spec.engine.speculation
-    assert planner is not None
+    planner = spec.engine.policy
+    assert isinstance(planner, AdaptiveSpeculation)
     planner.cost = FixedCost([1, 64], [0.01, 0.02])  # likely drafts pay, unlikely ones not
     for seed in range(4):
         prompts = random_prompts(seed, 4)
@@ -148,16 +133,16 @@ def test_adaptive_engine_is_lossless(tiny_model_dir: Any, tiny_draft_dir: Any, m
 def test_calibration_measures_a_rising_curve(tiny_model_dir: Any) -> None:
     spec = LLM(str(tiny_model_dir), max_model_len=256,
                speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": True})
-    cost = spec.engine.speculation.cost  # type: ignore[union-attr]
+    policy = spec.engine.policy
+    assert isinstance(policy, AdaptiveSpeculation)
+    cost = policy.cost
     assert len(cost.seconds) == len(cost.sizes) and all(s > 0 for s in cost.seconds)
     assert cost.seconds[-1] > cost.seconds[0]
 
 
 def test_probes_are_rarer_in_bigger_batches() -> None:
-    planner = AdaptiveSpeculation(linear_cost(), tree_mode=False)
+    planner = AdaptiveSpeculation(linear_cost(), whole_drafts=False)
     probes = 0
     for _ in range(4 * PROBE_EVERY):
-        batch = [item(f"r{i}", 4) for i in range(4)]
-        planner.plan(batch)
-        probes += sum(i.max_depth for i in batch)
+        probes += sum(grant(planner, [limit(f"r{i}", 4) for i in range(4)]))
     assert probes == 4  # each of the 4 requests once in 4 * PROBE_EVERY steps

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from tests.helpers import block_bytes
+from tests.helpers import assert_all_blocks_free, block_bytes, token_ids
 
 PROMPTS = [
     "The quick brown fox",
@@ -24,16 +24,6 @@ def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=None, min_new_tokens=max_new_tokens)
     return out[0, len(prompt_ids):].tolist()
-
-
-def token_ids(outputs) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def assert_all_blocks_free(llm: LLM) -> None:
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    assert all(b.ref_count == 0 for b in bm.blocks)
 
 
 def test_plain_greedy_matches_transformers(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import specdec.engine
-from specdec.cli import KV_CACHE_DTYPE_NAMES, build_parser, engine_kwargs
+from specdec.cli import build_parser
 from specdec.config import KV_CACHE_DTYPES, EngineConfig
+from specdec.engine_args import KV_CACHE_DTYPE_NAMES, engine_kwargs
 from specdec.kernels.kv_ops import move_kv
 from specdec.llm import LLM
-from tests.engine.test_generate import assert_all_blocks_free, token_ids
-from tests.engine.test_speculative import NGRAM, greedy, random_prompts
+from tests.helpers import NGRAM, assert_all_blocks_free, greedy, random_prompts, token_ids
 
 LOW_DTYPES = ["fp16", "bf16", "fp8"]
 

@@ -13,9 +13,7 @@ import pytest
 from specdec.llm import LLM
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest
-from tests.engine.test_generate import assert_all_blocks_free
-from tests.helpers import block_bytes
-from tests.engine.test_speculative import random_prompts
+from tests.helpers import assert_all_blocks_free, block_bytes, random_prompts
 
 NUM_REQUESTS = 24
 MAX_TOKENS = 40

@@ -1,29 +1,10 @@
 """Speculative decoding through the whole engine: lossless, batched, rolled back, counted."""
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from specdec import LLM, SamplingParams
-from tests.engine.test_generate import assert_all_blocks_free, token_ids
-from tests.helpers import block_bytes
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-
-
-def random_prompts(seed: int, count: int, vocab: int = 384) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(count):
-        motif = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))]
-        noise = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))]
-        prompts.append(noise + motif * rng.randint(1, 4))  # repeats give n-gram matches
-    return prompts
-
-
-def greedy(max_tokens: int = 32, **kw: object) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
+from tests.helpers import NGRAM, assert_all_blocks_free, block_bytes, greedy, random_prompts, token_ids
 
 
 @pytest.fixture(scope="module")

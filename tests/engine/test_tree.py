@@ -4,9 +4,7 @@ from __future__ import annotations
 import pytest
 
 from specdec import LLM
-from tests.engine.test_generate import assert_all_blocks_free, token_ids
-from tests.helpers import block_bytes
-from tests.engine.test_speculative import greedy, random_prompts
+from tests.helpers import assert_all_blocks_free, block_bytes, greedy, random_prompts, token_ids
 
 
 def medusa(heads_dir, **extra: object) -> dict:  # type: ignore[no-untyped-def, type-arg]

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.evals.scripts import EVALS, load_eval
+from specdec.evals import bench_latency as bench
+from specdec.evals.common import INPUT_GROUNDED, load_prompts
 
 
 def test_bench_latency_reports_every_method(tiny_model_dir: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    bench = load_eval("bench_latency")
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", [
         "bench_latency", "--model", str(tiny_model_dir), "--methods", "plain,ngram-adaptive,ngram@attention=torch",
@@ -25,7 +25,7 @@ def test_bench_latency_reports_every_method(tiny_model_dir: Path, tmp_path: Path
     assert {r["method"] for r in report["batch1"]} == set(methods)
     levels = {(r["concurrency"], r["method"]): r for r in report["concurrency"]}
     assert set(levels) == {(c, m) for c in (1, 3) for m in methods}
-    for (c, method), row in levels.items():
+    for (c, _), row in levels.items():
         assert row["requests"] == 6 and row["tokens"] == 8 * 6  # the same workload at every level, twice
         assert row["vs_plain"] == pytest.approx(row["tokens_per_s"] / levels[(c, "plain")]["tokens_per_s"])
     ttft = {(r["prompt_tokens"], r["method"]): r for r in report["ttft"]}
@@ -34,7 +34,6 @@ def test_bench_latency_reports_every_method(tiny_model_dir: Path, tmp_path: Path
 
 
 def test_method_options() -> None:
-    bench = load_eval("bench_latency")
     assert bench.parse_method("ngram@kv=fp16@attention=torch") == (
         bench.PRESETS["ngram"], {"kv_cache_dtype": "fp16", "attention_backend": "torch"})
     for bad in ("nope", "plain@speed=fast", "plain@kv"):
@@ -43,9 +42,6 @@ def test_method_options() -> None:
 
 
 def test_subcategory_selects_input_grounded_code() -> None:
-    sys.path.insert(0, str(EVALS))
-    from common import INPUT_GROUNDED, load_prompts
-
     rewrites = load_prompts("code:rewrite", 100)
     assert "code:rewrite" in INPUT_GROUNDED and "code" not in INPUT_GROUNDED
     assert rewrites and set(rewrites) < set(load_prompts("code", 100))

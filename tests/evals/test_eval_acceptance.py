@@ -10,6 +10,9 @@ import pytest
 
 from specdec.cli import load_eval
 from specdec.cli import main as cli_main
+from specdec.evals.acceptance_report import write_reports
+from specdec.evals.acceptance_run import default_llm, load_prompts, parse_configs
+from specdec.metrics import EngineMetrics
 
 NGRAM = json.dumps({"name": "ngram-k3", "method": "ngram", "num_speculative_tokens": 3,
                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})
@@ -32,18 +35,19 @@ def eval_argv(model: Path, draft: Path, out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def run(ev, tiny_model_dir, tiny_draft_dir, tmp_path_factory) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def run(ev: ModuleType, tiny_model_dir: Path, tiny_draft_dir: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("eval-report")
     args = ev.build_parser().parse_args(eval_argv(tiny_model_dir, tiny_draft_dir, out))
     llms: dict[str, Any] = {}
 
     def make_llm(model: str, config: dict[str, Any], a: Any) -> Any:
-        llm = ev.default_llm(model, config, a)
+        llm = default_llm(model, config, a)
         llms[config["method"]] = llm
         return llm
 
     report = ev.evaluate(args, make_llm=make_llm)
-    paths = ev.write_reports(report, out)
+    paths = write_reports(report, out)
     return {"report": report, "llms": llms, "out": out, "paths": paths}
 
 
@@ -51,11 +55,11 @@ def rows(report: dict[str, Any], config: str, all_rows: bool = False) -> list[di
     return [r for r in report["results"] if r["config"] == config and (r["category"] == "all") == all_rows]
 
 
-def test_reported_counters_equal_the_engines(ev, run) -> None:  # type: ignore[no-untyped-def]
+def test_reported_counters_equal_the_engines(run: dict[str, Any]) -> None:
     report = run["report"]
     for label, method in (("ngram-k3", "ngram"), ("draft-k3", "draft_model")):
         engine = run["llms"][method].get_metrics()
-        per_category = ev.sum_counters(rows(report, label))
+        per_category = sum((EngineMetrics.from_dict(r) for r in rows(report, label)), EngineMetrics()).counters()
         for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"):
             assert per_category[key] == engine[key], (label, key)
         assert report["configs"][label]["engine_totals"]["num_drafts"] == engine["num_drafts"]
@@ -66,7 +70,7 @@ def test_reported_counters_equal_the_engines(ev, run) -> None:  # type: ignore[n
     assert run["llms"]["draft_model"].get_metrics()["num_drafts"] > 0
 
 
-def test_summary_numbers_are_consistent(ev, run) -> None:  # type: ignore[no-untyped-def]
+def test_summary_numbers_are_consistent(run: dict[str, Any]) -> None:
     report = run["report"]
     assert len(report["results"]) == 2 * len(TEMPERATURES) * 3  # configs x temperatures x (2 categories + all)
     for row in report["results"]:
@@ -84,7 +88,7 @@ def test_summary_numbers_are_consistent(ev, run) -> None:  # type: ignore[no-unt
             assert total["num_accepted_tokens"] == sum(r["num_accepted_tokens"] for r in cats)
 
 
-def test_greedy_outputs_match_plain_decoding(run) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_outputs_match_plain_decoding(run: dict[str, Any]) -> None:
     report = run["report"]
     greedy = [p for p in report["prompts"] if p["temperature"] == 0]
     assert len(greedy) == 8
@@ -94,7 +98,7 @@ def test_greedy_outputs_match_plain_decoding(run) -> None:  # type: ignore[no-un
         assert row["mismatches"] == (0 if row["temperature"] == 0 else None)
 
 
-def test_report_files(run) -> None:  # type: ignore[no-untyped-def]
+def test_report_files(run: dict[str, Any]) -> None:
     out: Path = run["out"]
     assert json.loads((out / "results.json").read_text())["results"] == run["report"]["results"]
     markdown = (out / "report.md").read_text()
@@ -103,7 +107,7 @@ def test_report_files(run) -> None:  # type: ignore[no-untyped-def]
         assert (out / f"{name}.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_cli_with_hf_baselines(tiny_model_dir, tiny_draft_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cli_with_hf_baselines(tiny_model_dir: Path, tiny_draft_dir: Path, tmp_path: Path) -> None:
     cli_main(["eval", "acceptance", str(tiny_model_dir), "--configs", "ngram-k3", "--prompts", "qa",
               "--num-prompts", "2", "--max-tokens", "8", "--max-model-len", "512", "--hf-baselines",
               "--draft-model", str(tiny_draft_dir), "--out", str(tmp_path)])
@@ -121,14 +125,14 @@ def test_cli_with_hf_baselines(tiny_model_dir, tiny_draft_dir, tmp_path) -> None
     assert "hf-assisted" in (tmp_path / "report.md").read_text()
 
 
-def test_configs_and_prompt_sets(ev) -> None:  # type: ignore[no-untyped-def]
-    configs = ev.parse_configs(["ngram-k5", "draft-k3", '{"method": "ngram", "num_speculative_tokens": 2}'], "/d")
+def test_configs_and_prompt_sets() -> None:
+    configs = parse_configs(["ngram-k5", "draft-k3", '{"method": "ngram", "num_speculative_tokens": 2}'], "/d")
     assert configs == {"ngram-k5": {"method": "ngram", "num_speculative_tokens": 5},
                        "draft-k3": {"method": "draft_model", "num_speculative_tokens": 3, "model": "/d"},
                        "ngram-k2": {"method": "ngram", "num_speculative_tokens": 2}}
     with pytest.raises(ValueError, match="labelled"):
-        ev.parse_configs(["ngram-k3", '{"method": "ngram", "num_speculative_tokens": 3}'], None)
-    prompts = ev.load_prompts(None, None)
+        parse_configs(["ngram-k3", '{"method": "ngram", "num_speculative_tokens": 3}'], None)
+    prompts = load_prompts(None, None)
     assert set(prompts) == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code"}
     ids = [item["id"] for items in prompts.values() for item in items]
     assert len(ids) == len(set(ids))
@@ -137,7 +141,8 @@ def test_configs_and_prompt_sets(ev) -> None:  # type: ignore[no-untyped-def]
     assert all(item["input_grounded"] for cat in ("summarization", "rag") for item in prompts[cat])
 
 
-def test_resume_reuses_the_journal(ev, run, tiny_model_dir, tiny_draft_dir) -> None:  # type: ignore[no-untyped-def]
+def test_resume_reuses_the_journal(ev: ModuleType, run: dict[str, Any], tiny_model_dir: Path,
+                                   tiny_draft_dir: Path) -> None:
     out: Path = run["out"]
     assert len((out / "prompts.jsonl").read_text().splitlines()) == 2 * len(TEMPERATURES) * 4
     args = ev.build_parser().parse_args([*eval_argv(tiny_model_dir, tiny_draft_dir, out), "--resume"])
@@ -148,3 +153,21 @@ def test_resume_reuses_the_journal(ev, run, tiny_model_dir, tiny_draft_dir) -> N
     report = ev.evaluate(args, make_llm=no_llm)
     assert report["results"] == run["report"]["results"]
     assert report["configs"]["draft-k3"]["num_resumed_prompts"] == 2 * len(TEMPERATURES) * 2
+
+
+def test_metric_snapshots_subtract_and_add() -> None:
+    before = EngineMetrics.from_dict({"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 3,
+                                      "num_accepted_tokens_per_pos": [2, 1, 0], "num_prompt_tokens": 10,
+                                      "num_generation_tokens": 7, "num_steps": 5, "num_preemptions": 0})
+    after = EngineMetrics(3, num_accepted_tokens_per_pos=[2, 1, 0], num_prompt_tokens=10,
+                          num_generation_tokens=7, num_steps=5, num_drafts=2, num_draft_tokens=6,
+                          num_accepted_tokens=3)
+    after.observe_draft(3, 2)
+    delta = after - before
+    assert delta.counters() == {"num_drafts": 1, "num_draft_tokens": 3, "num_accepted_tokens": 2,
+                                "num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0,
+                                "num_accepted_tokens_per_pos": [1, 1, 0]}
+    assert (delta.acceptance_rate, delta.mean_accepted_length, delta.acceptance_per_pos) == (2 / 3, 3.0, [1, 1, 0])
+    total = EngineMetrics() + delta + EngineMetrics(5)  # per-position lists pad to the longest
+    assert total.num_accepted_tokens_per_pos == [1, 1, 0, 0, 0] and total.num_drafts == 1
+    assert EngineMetrics.from_dict(total.as_dict()) == total

@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.evals import profile_step as profile
 from specdec.kernels import linear_cpu
-from tests.evals.scripts import load_eval
 
 
 def test_profile_splits_prefill_from_decode(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    profile = load_eval("profile_step")
     monkeypatch.setattr(sys, "argv", ["profile_step", "--model", str(tiny_model_dir), "--categories", "qa",
                                       "--concurrency", "3", "--max-tokens", "5", "--max-model-len", "1024"])
     one, many = profile.main()
@@ -28,7 +27,6 @@ def test_profile_splits_prefill_from_decode(tiny_model_dir: Path, monkeypatch: p
 
 @pytest.mark.skipif(not linear_cpu.builds(), reason="the C++ linear kernel does not build here")
 def test_kernel_timers_count_calls_and_restore_the_kernels() -> None:
-    profile = load_eval("profile_step")
     original = linear_cpu.linear_fp16
     weight = torch.randn(32, 16)
     with profile.kernel_timers() as seconds:

@@ -1,16 +1,14 @@
-"""The C++ CPU paged-attention kernel against the torch reference, its row invariance,
-and its build and dispatch."""
+"""The C++ CPU paged-attention kernel against kernels/reference.py, its row invariance,
+and its build."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdec.kernels import attention, attention_cpu, cpu_build
-from specdec.kernels.attention_ref import paged_attention_ref, store_kv_ref
+from specdec.kernels import attention_cpu, cpu_build, reference
 from specdec.kernels.kv_cache import FP8, PagedKV
 from specdec.kernels.metadata import AttentionMetadata
-from tests.kernels.test_attention import (make_meta, random_inputs, random_masks, random_parents, random_trees,
-                                          tree_mask_from_parents)
+from tests.helpers import make_meta, random_inputs, random_masks, random_parents, random_trees, tree_mask_from_parents
 
 ATOL = 2e-5
 
@@ -25,12 +23,21 @@ BATCHES = [
 ]
 
 
+def _cpp(query: torch.Tensor, kv: PagedKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The kernel itself ([T, Hq, D] -> [T, Hq, D]), planned for this step and this many threads."""
+    return attention_cpu.paged_attention_cpu(query, kv, attention_cpu.plan_rows(meta, kv.k.shape[2]), scale)
+
+
+def _assert_matches_reference(got: torch.Tensor, query: torch.Tensor, kv: PagedKV, meta: AttentionMetadata,
+                              scale: float) -> None:
+    torch.testing.assert_close(got.double(), reference.paged_attention(query, kv, meta, scale), atol=ATOL, rtol=0)
+
+
 def _check(specs, hq, hkv, d, block_size, seed, trees=None):
     gen = torch.Generator().manual_seed(seed)
     meta, num_blocks = make_meta(specs, block_size, gen, trees)
     q, kv = random_inputs(meta, num_blocks, block_size, hq, hkv, d, gen)
-    got = attention_cpu.paged_attention_cpu(q, kv, meta, d**-0.5)
-    torch.testing.assert_close(got, paged_attention_ref(q, kv, meta, d**-0.5), atol=ATOL, rtol=0)
+    _assert_matches_reference(_cpp(q, kv, meta, d**-0.5), q, kv, meta, d**-0.5)
 
 
 @pytest.mark.parametrize("i", range(len(SHAPES)), ids=[f"d{d}-hq{hq}-hkv{hkv}-bs{bs}" for d, hq, hkv, bs in SHAPES])
@@ -67,22 +74,21 @@ def _cache_in(dtype: torch.dtype, source: PagedKV) -> PagedKV:
     num_blocks, block_size, hkv, d = source.k.shape
     kv = PagedKV.zeros(num_blocks, block_size, hkv, d, dtype)
     slots = torch.arange(num_blocks * block_size)
-    store_kv_ref(source.k.view(-1, hkv, d), source.v.view(-1, hkv, d), kv, slots)
+    reference.store_kv(source.k.view(-1, hkv, d), source.v.view(-1, hkv, d), kv, slots)
     return kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, FP8], ids=["fp16", "bf16", "fp8"])
 @pytest.mark.parametrize("tree", [False, True])
 def test_cache_dtypes_match_reference(dtype, tree):
-    """The kernel dequantises exactly as the reference does, so only fp32 rounding differs."""
+    """The kernel dequantises as the reference does, so only fp32 rounding differs."""
     gen = torch.Generator().manual_seed(6)
     specs = [(9, 6), (20, 1), (57, 12)]
     trees = random_trees(specs, gen) if tree else None
     meta, num_blocks = make_meta(specs, 16, gen, trees)
     q, fp32 = random_inputs(meta, num_blocks, 16, 6, 2, 64, gen)
     kv = _cache_in(dtype, fp32)
-    got = attention_cpu.paged_attention_cpu(q, kv, meta, 0.125)
-    torch.testing.assert_close(got, paged_attention_ref(q, kv, meta, 0.125), atol=ATOL, rtol=0)
+    _assert_matches_reference(_cpp(q, kv, meta, 0.125), q, kv, meta, 0.125)
 
 
 def test_work_split_does_not_change_results():
@@ -96,8 +102,7 @@ def test_work_split_does_not_change_results():
     try:
         for threads in (1, 2, 4):
             torch.set_num_threads(threads)
-            meta.plan_cache.clear()
-            outputs.append(attention_cpu.paged_attention_cpu(q, kv, meta, 0.125))
+            outputs.append(_cpp(q, kv, meta, 0.125))  # planned anew for this many threads
     finally:
         torch.set_num_threads(previous)
     assert all(torch.equal(out, outputs[0]) for out in outputs)
@@ -111,8 +116,7 @@ def test_query_may_be_a_strided_view():
     fused = torch.cat([q, torch.randn_like(q)], dim=1)  # [T, 2 * Hq, D]
     view = fused[:, : q.shape[1]]
     assert not view.is_contiguous()
-    assert torch.equal(attention_cpu.paged_attention_cpu(view, kv, meta, 0.125),
-                       attention_cpu.paged_attention_cpu(q, kv, meta, 0.125))
+    assert torch.equal(_cpp(view, kv, meta, 0.125), _cpp(q, kv, meta, 0.125))
 
 
 def test_rows_never_read_past_their_keys():
@@ -125,7 +129,7 @@ def test_rows_never_read_past_their_keys():
         for pos in range(seq_len, tables.shape[1] * 8):
             kv.k[int(tables[b, pos // 8]), pos % 8] = float("nan")
             kv.v[int(tables[b, pos // 8]), pos % 8] = float("nan")
-    assert torch.isfinite(attention_cpu.paged_attention_cpu(q, kv, meta, 0.125)).all()
+    assert torch.isfinite(_cpp(q, kv, meta, 0.125)).all()
 
 
 def _decode_meta(tables: torch.Tensor,  # [B, max_blocks] int32
@@ -148,9 +152,10 @@ def test_tree_rows_equal_decodes_bit_for_bit(threads):
     prefix, q_len, block_size = 61, 9, 8
     parents = random_parents(q_len, gen)
     mask = tree_mask_from_parents(parents)
-    meta, num_blocks = make_meta([(prefix, q_len), (100, 1)], block_size, gen, [mask, torch.ones(1, 1, dtype=torch.bool)])
+    decode_mask = torch.ones(1, 1, dtype=torch.bool)
+    meta, num_blocks = make_meta([(prefix, q_len), (100, 1)], block_size, gen, [mask, decode_mask])
     q, kv = random_inputs(meta, num_blocks, block_size, 6, 2, 64, gen)
-    tree_out = attention_cpu.paged_attention_cpu(q, kv, meta, 0.3)
+    tree_out = _cpp(q, kv, meta, 0.3)
     table = meta.block_tables[0].long()
     slot = lambda pos: int(table[pos // block_size]) * block_size + pos % block_size  # noqa: E731
     previous = torch.get_num_threads()
@@ -163,29 +168,10 @@ def test_tree_rows_equal_decodes_bit_for_bit(threads):
                 for cache, source in ((compacted.k, kv.k), (compacted.v, kv.v)):
                     cache.view(-1, 2, 64)[slot(prefix + dst)] = source.view(-1, 2, 64)[slot(prefix + j)]
             decode = _decode_meta(meta.block_tables, [prefix + len(path), 100])
-            out = attention_cpu.paged_attention_cpu(torch.stack([q[i], q[q_len]]), compacted, decode, 0.3)
+            out = _cpp(torch.stack([q[i], q[q_len]]), compacted, decode, 0.3)
             assert torch.equal(out[0], tree_out[i]), f"node {i} (path {path})"
     finally:
         torch.set_num_threads(previous)
-
-
-def test_dispatch_follows_the_backend():
-    gen = torch.Generator().manual_seed(9)
-    meta, num_blocks = make_meta([(30, 1), (4, 5)], 16, gen)
-    q, kv = random_inputs(meta, num_blocks, 16, 4, 2, 64, gen)
-    cpp, ref = attention_cpu.paged_attention_cpu(q, kv, meta, 0.1), paged_attention_ref(q, kv, meta, 0.1)
-    assert not torch.equal(cpp, ref)  # so the checks below tell the paths apart
-    for backend, expected in (("auto", cpp), ("cpp", cpp), ("torch", ref)):
-        meta.backend = backend
-        assert torch.equal(attention.paged_attention(q, kv, meta, 0.1), expected), backend
-    meta.backend = "cpp"  # a head dim the kernel is not built for falls back to the reference
-    q, kv = random_inputs(meta, num_blocks, 16, 4, 2, 24, gen)
-    assert torch.equal(attention.paged_attention(q, kv, meta, 0.1), paged_attention_ref(q, kv, meta, 0.1))
-
-
-def test_unknown_backend_is_refused():
-    with pytest.raises(ValueError, match="attention_backend 'fast'"):
-        attention.check_backend("fast")
 
 
 def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path, fresh_build):
@@ -201,17 +187,3 @@ def test_unwritable_cache_is_a_clear_error(monkeypatch, tmp_path, fresh_build):
     monkeypatch.setenv("SPECDEC_HOME", str(home))
     with pytest.raises(cpu_build.KernelBuildError, match="cannot build"):
         cpu_build.load("paged_attention")
-
-
-def test_auto_falls_back_to_the_reference_with_a_warning(monkeypatch, tmp_path, caplog, fresh_build):
-    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
-    monkeypatch.setenv("CXX", "no-such-c++")
-    gen = torch.Generator().manual_seed(13)
-    meta, num_blocks = make_meta([(9, 1), (3, 4)], 16, gen)
-    q, kv = random_inputs(meta, num_blocks, 16, 4, 2, 64, gen)
-    with caplog.at_level("WARNING"):
-        out = attention.paged_attention(q, kv, meta, 0.1)  # meta.backend is "auto"
-    assert torch.equal(out, paged_attention_ref(q, kv, meta, 0.1))
-    assert "C++ kernel paged_attention unavailable" in caplog.text and "no-such-c++" in caplog.text
-    with pytest.raises(cpu_build.KernelBuildError):
-        attention.check_backend("cpp")

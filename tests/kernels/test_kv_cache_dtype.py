@@ -1,5 +1,6 @@
 """KV caches stored in fp16, bf16 and fp8 (with per-slot, per-head scales): store, gather,
-attention and slot moves, reference and Triton (in its CPU interpreter)."""
+attention and slot moves, torch and Triton (in its CPU interpreter) against
+kernels/reference.py."""
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported; see test_attention.py
@@ -7,11 +8,12 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported; see test_atte
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from specdec.kernels import attention_triton  # noqa: E402
-from specdec.kernels.attention_ref import gather_kv_ref, paged_attention_ref, store_kv_ref  # noqa: E402
+from specdec.kernels import reference  # noqa: E402
+from specdec.kernels.attention import make_attention_backend  # noqa: E402
+from specdec.kernels.attention_torch import TorchAttention, gather_kv, store_kv_torch  # noqa: E402
 from specdec.kernels.kv_cache import FP8, FP8_MAX, PagedKV, dequantize_fp8  # noqa: E402
 from specdec.kernels.kv_ops import move_kv  # noqa: E402
-from tests.kernels.test_attention import random_trees, make_meta  # noqa: E402
+from tests.helpers import attend, make_meta, random_trees, store  # noqa: E402
 
 LOW = [torch.float16, torch.bfloat16, FP8]
 ALL = [torch.float32, *LOW]
@@ -19,6 +21,8 @@ IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", FP8
 # Max |attention output - fp32-cache output| for unit-variance K/V (measured over 5 seeds:
 # fp16 1.1e-3, bf16 1.2e-2, fp8 0.11).
 ATTN_ATOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2, FP8: 0.25}
+TORCH = TorchAttention()
+TRITON = make_attention_backend("triton", "cpu")
 
 
 def _kv_values(num: int, hkv: int, d: int, gen: torch.Generator) -> torch.Tensor:  # [num, Hkv, D]
@@ -32,7 +36,7 @@ def _filled(dtype: torch.dtype, num_blocks: int, block_size: int, hkv: int, d: i
     """A cache with every slot written; also the fp32 K and V written, [slots, Hkv, D]."""
     kv = PagedKV.zeros(num_blocks, block_size, hkv, d, dtype)
     k, v = (torch.randn(num_blocks * block_size, hkv, d, generator=gen) for _ in range(2))
-    store_kv_ref(k, v, kv, torch.arange(num_blocks * block_size))
+    reference.store_kv(k, v, kv, torch.arange(num_blocks * block_size))
     return kv, k, v
 
 
@@ -43,11 +47,11 @@ def test_store_gather_round_trip(dtype: torch.dtype) -> None:
     key, value = _kv_values(10, 3, 32, gen), _kv_values(10, 3, 32, gen)
     key[2, 1] = 0.0  # an all-zero vector: scale floor, no NaN
     slots = torch.randperm(32, generator=gen)[:10]
-    store_kv_ref(key, value, kv, slots)
-    for got, want in zip(gather_kv_ref(kv, slots, torch.float32), (key, value)):
+    store_kv_torch(key, value, kv, slots)
+    for got, want in zip(gather_kv(kv, slots, torch.float32), (key, value)):
         _assert_round_trip(got, want, dtype)
     others = torch.tensor(sorted(set(range(32)) - set(slots.tolist())))
-    assert all(not t.any() for t in gather_kv_ref(kv, others, torch.float32))  # untouched slots
+    assert all(not t.any() for t in gather_kv(kv, others, torch.float32))  # untouched slots
 
 
 def _assert_round_trip(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -66,7 +70,7 @@ def test_fp8_scale_is_amax_over_448() -> None:
     gen = torch.Generator().manual_seed(1)
     kv = PagedKV.zeros(2, 4, 2, 16, FP8)
     key, value = _kv_values(3, 2, 16, gen), _kv_values(3, 2, 16, gen)
-    store_kv_ref(key, value, kv, torch.tensor([5, 0, 2]))
+    store_kv_torch(key, value, kv, torch.tensor([5, 0, 2]))
     assert kv.k_scale is not None and kv.v_scale is not None
     torch.testing.assert_close(kv.k_scale.view(-1, 2)[[5, 0, 2]], key.abs().amax(-1) / 448)
     torch.testing.assert_close(kv.v_scale.view(-1, 2)[[5, 0, 2]], value.abs().amax(-1) / 448)
@@ -99,9 +103,9 @@ def test_paged_attention_close_to_fp32_cache(dtype: torch.dtype, tree: bool) -> 
     meta, num_blocks = make_meta(specs, 8, gen, random_trees(specs, gen) if tree else None)
     low, k, v = _filled(dtype, num_blocks, 8, 2, 32, gen)
     full = PagedKV.zeros(num_blocks, 8, 2, 32, torch.float32)
-    store_kv_ref(k, v, full, torch.arange(len(k)))
+    reference.store_kv(k, v, full, torch.arange(len(k)))
     q = torch.randn(int(meta.query_start_loc[-1]), 6, 32, generator=gen)
-    got, want = (paged_attention_ref(q, cache, meta, 32**-0.5) for cache in (low, full))
+    got, want = (attend(TORCH, q, cache, meta, 32**-0.5) for cache in (low, full))
     torch.testing.assert_close(got, want, atol=ATTN_ATOL[dtype], rtol=0)
 
 
@@ -127,8 +131,8 @@ def test_store_kv_triton_matches_reference(dtype: torch.dtype, values: str) -> N
     key_value = make(2 * num_tokens, 3, 64, gen).view(num_tokens, 2, 3, 64)  # fused-projection strides
     key, value = key_value[:, 0], key_value[:, 1]
     expected, got = (PagedKV.zeros(num_blocks, 8, 3, 64, dtype) for _ in range(2))
-    store_kv_ref(key, value, expected, meta.slot_mapping)
-    attention_triton.store_kv_triton(key, value, got, meta.slot_mapping)
+    reference.store_kv(key, value, expected, meta.slot_mapping)
+    store(TRITON, key, value, got, meta)
     exact = values == "on_grid" or dtype == torch.float16
     for g, w in zip(got.tensors(), expected.tensors(), strict=True):
         if exact or g.dtype == torch.float32:  # data, or fp8 scales
@@ -145,8 +149,8 @@ def test_triton_attention_matches_reference(dtype: torch.dtype, tree: bool) -> N
     meta, num_blocks = make_meta(specs, 16, gen, random_trees(specs, gen) if tree else None)
     kv, _, _ = _filled(dtype, num_blocks, 16, 2, 64, gen)
     q = torch.randn(int(meta.query_start_loc[-1]), 4, 64, generator=gen)
-    got = attention_triton.paged_attention_triton(q, kv, meta, 0.125)
-    torch.testing.assert_close(got, paged_attention_ref(q, kv, meta, 0.125), atol=1e-4, rtol=0)
+    got = attend(TRITON, q, kv, meta, 0.125)
+    torch.testing.assert_close(got.double(), reference.paged_attention(q, kv, meta, 0.125), atol=1e-4, rtol=0)
 
 
 def test_triton_fp16_query_over_fp8_cache() -> None:
@@ -154,8 +158,9 @@ def test_triton_fp16_query_over_fp8_cache() -> None:
     meta, num_blocks = make_meta([(20, 3), (5, 1)], 16, gen)
     kv, _, _ = _filled(FP8, num_blocks, 16, 1, 64, gen)
     q = torch.randn(int(meta.query_start_loc[-1]), 4, 64, generator=gen).half()
-    got = attention_triton.paged_attention_triton(q, kv, meta, 0.125)
-    torch.testing.assert_close(got, paged_attention_ref(q, kv, meta, 0.125), atol=2e-3, rtol=0)
+    got = attend(TRITON, q, kv, meta, 0.125)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.double(), reference.paged_attention(q, kv, meta, 0.125), atol=2e-3, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", ALL, ids=IDS.get)

@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.kernels import linear_cpu
-from specdec.models import linear
-
-
-def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = x.double() @ weight.half().double().T  # the kernel's weight is the fp16 rounding
-    return (out if bias is None else out + bias.double()).float()
-
+from specdec.kernels import linear, linear_cpu, reference
 
 # (M, K, N): one row to a prefill chunk; row counts around the 4- and 12-row blocks; N off
 # the 16-column tiles, and tiles per block leaving a tail of 1, 2 or 3 tiles.
@@ -28,7 +21,8 @@ def test_matches_a_float64_product(m: int, k: int, n: int, with_bias: bool) -> N
     bias = torch.randn(n, generator=gen) if with_bias else None
     out = linear_cpu.linear_fp16(x, linear_cpu.pack_fp16(weight), bias, n)
     assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
-    torch.testing.assert_close(out, _reference(x, weight, bias), atol=2e-5, rtol=1e-5)
+    expected = reference.linear(x, weight.half(), bias)  # the kernel's weight is the fp16 rounding
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
 
 
 def test_rows_do_not_depend_on_the_batch_or_the_threads() -> None:

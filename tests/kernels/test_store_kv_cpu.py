@@ -1,13 +1,14 @@
-"""The C++ K/V store writes the same cache bits as the torch reference, refuses slots
+"""The C++ K/V store writes the same cache bits as kernels/reference.py, refuses slots
 outside the cache, and steps aside where it does not apply."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdec.kernels import attention, store_kv_cpu
-from specdec.kernels.attention_ref import store_kv_ref
+from specdec.kernels import reference, store_kv_cpu
+from specdec.kernels.attention_cpu import CppAttention
 from specdec.kernels.kv_cache import FP8, PagedKV
+from tests.helpers import single_request_meta, store
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 12, 16, 3, 20  # 60 floats a row: vector body and tail
 
@@ -29,8 +30,8 @@ def test_same_bits_as_the_reference(dtype: torch.dtype, tokens: int) -> None:
     slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:tokens]
     ours, ref = (PagedKV.zeros(NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM, dtype) for _ in range(2))
     assert store_kv_cpu.supports(key, value, ours, slots)
-    attention.store_kv(key, value, ours, slots)  # the dispatch takes the C++ kernel
-    store_kv_ref(key, value, ref, slots)
+    store_kv_cpu.store_kv_cpu(key, value, ours, slots)
+    reference.store_kv(key, value, ref, slots)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     for mine, theirs in ((ours.k, ref.k), (ours.v, ref.v)):
         assert torch.equal(mine.view(bits), theirs.view(bits))
@@ -53,7 +54,7 @@ def test_a_slot_outside_the_cache_is_refused_before_any_write() -> None:
         assert not kv.k.any() and not kv.v.any()
 
 
-def test_fp8_and_other_layouts_take_the_reference() -> None:
+def test_fp8_and_other_layouts_are_left_to_the_torch_store() -> None:
     key, value = _rows(3, torch.Generator().manual_seed(1))
     slots = torch.tensor([0, 1, 2])
     fp8 = PagedKV.zeros(NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM, FP8)
@@ -63,3 +64,15 @@ def test_fp8_and_other_layouts_take_the_reference() -> None:
     assert not store_kv_cpu.supports(d_major, value, half, slots)
     assert not store_kv_cpu.supports(key.double(), value.double(), half, slots)
     assert not store_kv_cpu.supports(key, value, half, slots.int())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, FP8], ids=["fp16", "fp8"])
+def test_the_cpp_backend_stores_the_reference_bits_either_way(dtype: torch.dtype) -> None:
+    """fp16 through the C++ store, fp8 through the torch one: the same bits as the reference."""
+    key, value = _rows(9, torch.Generator().manual_seed(2))
+    meta = single_request_meta(3, 9, [4, 1, 7], BLOCK_SIZE)
+    ours, ref = (PagedKV.zeros(NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM, dtype) for _ in range(2))
+    store(CppAttention(), key, value, ours, meta)
+    reference.store_kv(key, value, ref, meta.slot_mapping)
+    for mine, theirs in zip(ours.tensors(), ref.tensors(), strict=True):
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))

@@ -8,18 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from specdec.kernels import reference
+from specdec.kernels.linear import (
+    LINEAR_BACKENDS,
+    Fp32Linear,
+    available_linear_backends,
+    default_linear_backend,
+    get_linear_backend,
+)
 from specdec.llm import LLM
 from specdec.models import LlamaForCausalLM, load_model
-from specdec.models.linear import (
-    LINEAR_BACKENDS,
-    apply_linear_backend,
-    available_linear_backends,
-    get_linear_backend,
-    linear_backend_name,
-)
+from specdec.models.linear import PackedLinear, install_linears, pack_linears
 from specdec.sampling_params import SamplingParams
 from tests.helpers import make_kv_caches, random_block_table, single_request_meta
 
@@ -45,7 +46,7 @@ def test_the_required_backends_exist_here() -> None:
 
 
 def _rel_err(got: Tensor, expected: Tensor) -> float:
-    return float((got - expected).norm() / expected.norm())
+    return float((got.double() - expected.double()).norm() / expected.double().norm())
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -66,7 +67,7 @@ def test_backend_close_to_fp32(name: str, with_bias: bool) -> None:
         got = backend.apply(x, packed)
         assert got.dtype == torch.float32 and got.shape == (rows, 96) and got.is_contiguous()
         assert torch.equal(x, x_before)
-        assert _rel_err(got, F.linear(x, weight, bias)) < backend.rel_tol
+        assert _rel_err(got, reference.linear(x, weight, bias)) < backend.rel_tol
         assert got.data_ptr() != backend.apply(x, packed).data_ptr()  # fresh: callers add_ into it
     assert backend.apply(torch.zeros(0, 64), packed).shape == (0, 96)  # all rows mid-prefill
 
@@ -111,27 +112,59 @@ def tiny_model(tiny_model_dir: Path) -> LlamaForCausalLM:
     return load_model(tiny_model_dir)
 
 
+def _linears(model: LlamaForCausalLM) -> list[PackedLinear]:
+    return [m for m in model.modules() if isinstance(m, PackedLinear)]
+
+
+def test_every_projection_is_a_module_on_fp32_by_default(tiny_model: LlamaForCausalLM) -> None:
+    linears = _linears(tiny_model)
+    assert len(linears) == 4 * tiny_model.config.num_layers + 1  # qkv, o, gate_up, down; the LM head
+    assert all(type(m.backend) is Fp32Linear for m in linears)
+    assert tiny_model.lm_head.weight is tiny_model.embed_tokens  # tied: one parameter
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_model_logits_close_to_fp32(tiny_model: LlamaForCausalLM, name: str) -> None:
     ids = torch.randint(3, tiny_model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(2))
     expected = _logits(tiny_model, ids)
     embed = tiny_model.embed_tokens
     try:
-        apply_linear_backend(tiny_model, name)
-        assert linear_backend_name(tiny_model) == name
+        tiny_model.use_linear_backend(get_linear_backend(name))
+        assert tiny_model.linear_backend.name == name
+        assert all(m.backend is tiny_model.linear_backend for m in _linears(tiny_model))
         got = _logits(tiny_model, ids)
         assert got.dtype == torch.float32
         assert _rel_err(got, expected) < MODEL_REL_TOL[name]
         assert tiny_model.embed_tokens is embed  # lookups stay on the fp32 (tied) table
     finally:
-        apply_linear_backend(tiny_model, "fp32")
-    assert tiny_model.linear is None and all(layer.linear is None for layer in tiny_model.layers)
+        tiny_model.use_linear_backend(Fp32Linear())
+    assert all(type(m.backend) is Fp32Linear for m in _linears(tiny_model))
     assert torch.equal(_logits(tiny_model, ids), expected)  # the fp32 path is back, bit for bit
+
+
+def test_packings_can_be_held_and_swapped(tiny_model: LlamaForCausalLM) -> None:
+    """What evals/bench_kernels.py does: pack once per backend, then install in turn."""
+    ids = torch.randint(3, tiny_model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(4))
+    packings = {name: pack_linears(tiny_model, get_linear_backend(name)) for name in ("fp32", "fp16")}
+    try:
+        install_linears(tiny_model, packings["fp16"])
+        fp16 = _logits(tiny_model, ids)
+        install_linears(tiny_model, packings["fp32"])
+        fp32 = _logits(tiny_model, ids)
+        install_linears(tiny_model, packings["fp16"])
+        assert torch.equal(_logits(tiny_model, ids), fp16) and not torch.equal(fp16, fp32)
+    finally:
+        tiny_model.use_linear_backend(Fp32Linear())
+
+
+def test_load_model_picks_the_linear_backend(tiny_model_dir: Path) -> None:
+    assert load_model(tiny_model_dir).linear_backend.name == "fp32"
+    assert load_model(tiny_model_dir, linear_backend="auto").linear_backend.name == default_linear_backend()
+    assert load_model(tiny_model_dir, dtype=torch.bfloat16, linear_backend="auto").linear_backend.name == "fp32"
 
 
 def test_auto_picks_the_measured_default() -> None:
     from specdec.config import EngineConfig
-    from specdec.models.linear import default_linear_backend
 
     config = EngineConfig(model="unused")
     config.validate()
@@ -144,7 +177,9 @@ def test_auto_picks_the_measured_default() -> None:
 def test_backend_needs_an_fp32_model(tiny_model_dir: Path) -> None:
     model = load_model(tiny_model_dir, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="float32"):
-        apply_linear_backend(model, "fp16")
+        model.use_linear_backend(get_linear_backend("fp16"))
+    with pytest.raises(ValueError, match="float32"):
+        load_model(tiny_model_dir, dtype=torch.bfloat16, linear_backend="fp16")
     with pytest.raises(ValueError, match="float32"):
         LLM(str(tiny_model_dir), dtype="bfloat16", linear_backend="int8")
     with pytest.raises(ValueError, match="not one of"):
@@ -179,7 +214,7 @@ def test_greedy_speculation_equals_plain_greedy_within_a_backend(tiny_model_dir:
     plain = LLM(str(tiny_model_dir), max_model_len=128, kv_cache_memory=KV_BYTES, linear_backend=name)
     spec = LLM(str(tiny_model_dir), max_model_len=128, kv_cache_memory=KV_BYTES, linear_backend=name,
                speculative_config=NGRAM)
-    assert linear_backend_name(spec.engine.model) == name
+    assert spec.engine.model.linear_backend.name == name
     assert _token_ids(spec) == _token_ids(plain)
     metrics = spec.get_metrics()
     assert metrics["num_drafts"] > 0 and metrics["num_accepted_tokens"] > 0
@@ -193,5 +228,5 @@ def test_draft_model_uses_the_engine_backend(tiny_model_dir: Path, tiny_draft_di
 
     drafter = spec.engine.drafter
     assert isinstance(drafter, DraftModelDrafter)
-    assert linear_backend_name(drafter.model) == "fp16"
+    assert drafter.model.linear_backend.name == "fp16"
     assert _token_ids(spec) == _token_ids(spec, use_speculation=False)

@@ -10,12 +10,12 @@ from typing import Any
 
 import httpx
 import pytest
-from specdec.server.app import build_app
-from specdec.server.async_engine import AsyncEngine, EngineShuttingDownError
 
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.sampling_params import SamplingParams
-from tests.server.conftest import wait_until
+from specdec.server.app import build_app
+from specdec.server.async_engine import AsyncEngine, EngineShuttingDownError
+from tests.helpers import wait_until
 
 
 class FakeEngine:

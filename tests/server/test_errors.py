@@ -6,7 +6,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, RunningServer
+from tests.helpers import MAX_MODEL_LEN, RunningServer
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from tests.server.conftest import API_KEY, RunningServer, all_blocks_free, wait_until
+from tests.helpers import API_KEY, RunningServer, all_blocks_free, wait_until
 
 settings.register_profile(
     "specdec-fuzz", derandomize=True, database=None, deadline=None, print_blob=False,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from specdec.cli import load_eval
-from tests.server.conftest import API_KEY, RunningServer, all_blocks_free
+from tests.helpers import API_KEY, RunningServer, all_blocks_free
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_finish_reason_must_match_usage(load_test: ModuleType) -> None:
 
     def problem(reason: str, tokens: int, prompt: int = 10) -> str | None:
         outcome = load_test.Outcome(plan, 200, finish_reason=reason, prompt_tokens=prompt, completion_tokens=tokens)
-        return load_test.finish_problem(outcome, 128)  # type: ignore[no-any-return]
+        return load_test.finish_problem(outcome, 128)
 
     assert problem("length", 8) is None and problem("stop", 3) is None and problem("stop", 8) is None
     assert problem("length", 5, prompt=123) is None  # max_model_len reached first

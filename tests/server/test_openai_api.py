@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import RunningServer, all_blocks_free, sse_events, wait_until
+from tests.helpers import RunningServer, all_blocks_free, sse_events, wait_until
 
 PROMPT = "The quick brown fox"
 REPETITIVE = "def add(a, b):\n    return a + b\n" * 3  # n-gram lookup finds drafts here
@@ -119,7 +119,7 @@ def test_completion_logprobs(client: httpx.Client) -> None:
     num = body["usage"]["completion_tokens"]
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == num
     assert logprobs["text_offset"] == sorted(logprobs["text_offset"]) and logprobs["text_offset"][0] == 0
-    for token, lp, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+    for lp, top in zip(logprobs["token_logprobs"], logprobs["top_logprobs"]):
         assert lp <= 0.0 and 2 <= len(top) <= 3
         assert lp == pytest.approx(max(top.values()), abs=1e-5)  # greedy: the sampled token is the top one
     chunks = stream(client, "/v1/completions", prompt=PROMPT, logprobs=2, **GREEDY)
@@ -229,9 +229,9 @@ def test_openai_client(server: RunningServer) -> None:
 def test_sse_event_survives_unicode_line_breaks() -> None:
     """U+0085, U+2028 and U+2029 stay escaped: clients splitting the stream with
     str.splitlines (httpx's aiter_lines) must see one `data:` line per event."""
-    from specdec.server.app import _sse
+    from specdec.server.streaming import sse
 
     text = "a\u2028b\x85c\u2029d\u00e9"
-    lines = _sse({"delta": {"content": text}}).splitlines()
+    lines = sse({"delta": {"content": text}}).splitlines()
     assert len(lines) == 2 and lines[0].startswith("data: ") and lines[1] == ""
     assert json.loads(lines[0][len("data: "):])["delta"]["content"] == text

@@ -1,6 +1,7 @@
-"""Plain-torch paged attention over a flattened batch: the reference every kernel matches.
+"""The `torch` attention backend: paged attention and the K/V store in plain torch ops.
 
-It is also the CPU path. Short queries (decodes, verifies, tree nodes) are computed
+Portable (any device torch runs on) and the fallback of the `cpp` backend for shapes its
+kernel lacks. Short queries (decodes, verifies, tree nodes) are computed
 row-invariantly: each query row sees exactly its visible keys, in position order, padded
 to a multiple of _BUCKET keys under a mask, in an SDPA batch element of its own. A
 row's result then depends only on its keys (their count fixes the padded length), not
@@ -11,7 +12,7 @@ share one SDPA call: decodes of different requests gather their own keys; the ro
 verify (or a short prefill chunk) attend to one gathered copy of their request's keys,
 expanded without copying; tree rows off the first path gather their own key set. Each long prefill
 chunk runs on its own with a causal mask. Index tensors are built once per step
-(`_plan`) and reused by every layer. The cache may hold fp16, bf16 or fp8 (with per-slot
+(`TorchAttention.plan`) and reused by every layer. The cache may hold fp16, bf16 or fp8 (with per-slot
 scales, see kv_cache.py); gathered keys are dequantised into the query's dtype, slot by
 slot, so row invariance holds for every cache dtype.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdec.kernels.attention_base import AttentionBackend, AttentionPlan
 from specdec.kernels.kv_cache import FP8, PagedKV, dequantize_fp8, quantize_fp8, slot_rows
 from specdec.kernels.metadata import AttentionMetadata
 
@@ -39,7 +41,7 @@ class _Group:
     out_rows: torch.Tensor  # [num real rows] destination rows in the output
 
 
-def store_kv_ref(
+def store_kv_torch(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
     kv: PagedKV,
@@ -54,7 +56,7 @@ def store_kv_ref(
         slot_rows(scale).index_copy_(0, slot_mapping, x_scale)
 
 
-def gather_kv_ref(kv: PagedKV,
+def gather_kv(kv: PagedKV,
                   slots: torch.Tensor,  # [...] flat slots
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # k, v: [..., Hkv, D]
     """K and V of the given slots in `dtype`, fp8 dequantised (in fp32, then cast)."""
@@ -108,20 +110,36 @@ class _SharedRows:
 
 
 @dataclass
-class _Plan:
+class TorchPlan(AttentionPlan):
+    """The step's query rows sorted into SDPA calls, with the cache entries each reads."""
+
     own: list[_OwnRows]
     shared: list[_SharedRows]
     prefill: list[_Group]
 
 
-def paged_attention_ref(
+class TorchAttention(AttentionBackend[TorchPlan]):
+    """Plain torch: portable, row-invariant (see the module docstring)."""
+
+    name = "torch"
+
+    def plan(self, meta: AttentionMetadata, kv: PagedKV) -> TorchPlan:
+        return plan_torch(meta, kv.block_size, kv.k.device)
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv: PagedKV, plan: TorchPlan) -> None:
+        store_kv_torch(key, value, kv, plan.meta.slot_mapping)
+
+    def forward(self, query: torch.Tensor, kv: PagedKV, plan: TorchPlan, scale: float) -> torch.Tensor:
+        return paged_attention_torch(query, kv, plan, scale)
+
+
+def paged_attention_torch(
     query: torch.Tensor,  # [T, Hq, D]
     kv: PagedKV,
-    meta: AttentionMetadata,
+    plan: TorchPlan,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     out = torch.empty_like(query)
-    plan = _plan(meta, kv.block_size, query.device)
     for own in plan.own:
         k, v = _gather_keys(kv, own.keys, query.dtype)  # [G, Lpad, Hkv, D]
         out[own.rows] = _attend_padded(query[own.rows], k, v, own.mask, scale)
@@ -147,7 +165,7 @@ def _gather(cache: torch.Tensor,  # [num_blocks, block_size, *inner]: data or sc
 def _gather_keys(kv: PagedKV, keys: _Keys,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # k, v: [..., length, Hkv, D]
     if not keys.by_block:
-        return gather_kv_ref(kv, keys.index, dtype)
+        return gather_kv(kv, keys.index, dtype)
     return _read_kv(kv, lambda cache: _gather_blocks(cache, keys), dtype)
 
 
@@ -177,21 +195,18 @@ def _attend_padded(q: torch.Tensor,  # [G, Hq, D]
 def _attend(query: torch.Tensor, kv: PagedKV, group: _Group,
             scale: float) -> torch.Tensor:  # [G, Qmax, Hq, D]
     q = query[group.query_index].transpose(1, 2)  # [G, Hq, Qmax, D]
-    k, v = (t.transpose(1, 2) for t in gather_kv_ref(kv, group.slots, q.dtype))  # [G, Hkv, L, D]
+    k, v = (t.transpose(1, 2) for t in gather_kv(kv, group.slots, q.dtype))  # [G, Hkv, L, D]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
 
 
-def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
-    key = f"ref:{block_size}"
-    if key not in meta.plan_cache:
-        short = [b for b, n in enumerate(meta.query_lens_cpu) if n <= _SHORT_QUERY]
-        long = [b for b, n in enumerate(meta.query_lens_cpu) if n > _SHORT_QUERY]
-        own, shared = _short_rows(meta, short, block_size, device)
-        meta.plan_cache[key] = _Plan(own, shared, [_group(meta, [b], block_size, device) for b in long])
-    plan: _Plan = meta.plan_cache[key]
-    return plan
+def plan_torch(meta: AttentionMetadata, block_size: int, device: torch.device) -> TorchPlan:
+    """The step's plan for a cache of `block_size` slots per block on `device`."""
+    short = [b for b, n in enumerate(meta.query_lens_cpu) if n <= _SHORT_QUERY]
+    long = [b for b, n in enumerate(meta.query_lens_cpu) if n > _SHORT_QUERY]
+    own, shared = _short_rows(meta, short, block_size, device)
+    return TorchPlan(meta, own, shared, [_group(meta, [b], block_size, device) for b in long])
 
 
 def _padded(length: int) -> int:

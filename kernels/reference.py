@@ -1,0 +1,93 @@
+"""The slow, obviously correct oracles every backend is tested against.
+
+Each computes what its kernels mean in the plainest way, element by element where that
+is clearest, in float64 (stores write the cache's own dtype). None of it is on any hot
+path, and none of it shares code with the backends beyond the storage format's
+definition (kv_cache.quantize_fp8: scale = amax / 448 per slot and head).
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.kernels.kv_cache import PagedKV, quantize_fp8
+from specdec.kernels.metadata import AttentionMetadata
+
+
+def linear(x: torch.Tensor,  # [M, in]
+           weight: torch.Tensor,  # [out, in]
+           bias: torch.Tensor | None = None,  # [out]
+           ) -> torch.Tensor:  # [M, out] float64
+    """x @ weight.T + bias, in float64."""
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+def rms_norm(x: torch.Tensor,  # [..., D]
+             weight: torch.Tensor,  # [D]
+             eps: float) -> torch.Tensor:  # [..., D] float64
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, in float64."""
+    x = x.double()
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def store_kv(key: torch.Tensor,  # [T, Hkv, D]
+             value: torch.Tensor,  # [T, Hkv, D]
+             kv: PagedKV,
+             slot_mapping: torch.Tensor,  # [T] int64 flat slots
+             ) -> None:
+    """Token t's K and V into slot slot_mapping[t], one token at a time: cast to the
+    cache dtype, or for fp8 divided by a per-(slot, head) scale stored beside it."""
+    for t, slot in enumerate(slot_mapping.tolist()):
+        block, offset = divmod(slot, kv.block_size)
+        for x, cache, scale in ((key, kv.k, kv.k_scale), (value, kv.v, kv.v_scale)):
+            if scale is None:
+                cache[block, offset] = x[t].to(cache.dtype)
+                continue
+            data, row_scale = quantize_fp8(x[t : t + 1])  # [1, Hkv, D] fp8, [1, Hkv]
+            cache[block, offset].view(torch.uint8).copy_(data[0].view(torch.uint8))
+            scale[block, offset] = row_scale[0]
+
+
+def read_kv(cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+            scale: torch.Tensor | None,  # [num_blocks, block_size, Hkv] float32 for fp8, else None
+            table: torch.Tensor,  # [max_blocks] the request's block ids
+            length: int) -> torch.Tensor:  # [length, Hkv, D] float64
+    """Positions 0..length-1 of one request, read slot by slot through its block table
+    (fp8: the stored value times its scale)."""
+    block_size = cache.shape[1]
+    rows = []
+    for pos in range(length):
+        block, offset = int(table[pos // block_size]), pos % block_size
+        row = cache[block, offset].double()
+        rows.append(row if scale is None else row * scale[block, offset].double()[:, None])
+    return torch.stack(rows) if rows else cache.new_zeros(0, *cache.shape[2:], dtype=torch.float64)
+
+
+def paged_attention(query: torch.Tensor,  # [T, Hq, D]
+                    kv: PagedKV,
+                    meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:  # [T, Hq, D] float64
+    """Dense masked attention, per request, query row and head, with an explicit softmax:
+    row i of request b sees the context before its query tokens and, among them, the
+    causal prefix (or exactly what meta.tree_mask marks). Query head h reads kv head
+    h // (Hq / Hkv)."""
+    hq, hkv = query.shape[1], kv.k.shape[2]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        start, prefix = int(meta.query_start_loc[b]), seq_len - q_len
+        table = meta.block_tables[b]
+        k, v = read_kv(kv.k, kv.k_scale, table, seq_len), read_kv(kv.v, kv.v_scale, table, seq_len)
+        for i in range(q_len):
+            visible = [p < prefix or _sees(meta, start, i, p - prefix) for p in range(seq_len)]
+            for h in range(hq):
+                kh = h // (hq // hkv)
+                scores = (k[visible, kh] @ query[start + i, h].double()) * scale
+                out[start + i, h] = torch.softmax(scores, 0) @ v[visible, kh]
+    return out
+
+
+def _sees(meta: AttentionMetadata, start: int, i: int, j: int) -> bool:
+    """Whether query token i of the request starting at row `start` sees its query token j."""
+    if meta.tree_mask is None:
+        return j <= i
+    return bool(meta.tree_mask[start + i, j])
