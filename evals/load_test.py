@@ -90,6 +90,8 @@ class Outcome:
     ttft: float | None = None  # seconds to the first content chunk
     error: str | None = None
     server_error: bool = False  # a 5xx, or an error event inside a 200 stream
+    started_at: float = 0.0  # seconds from the start of the load window
+    latency: float | None = None  # seconds from sending to the stream's end
 
 
 def plan_request(rng: random.Random, args: argparse.Namespace, model: str) -> Plan:
@@ -143,8 +145,11 @@ async def send(client: httpx.AsyncClient, plan: Plan) -> Outcome:
 async def client_loop(client: httpx.AsyncClient, rng: random.Random, args: argparse.Namespace, model: str,
                       deadline: float, outcomes: list[Outcome]) -> None:
     """One client: requests back to back until the deadline (the last one may run past it)."""
-    while time.monotonic() < deadline:
-        outcomes.append(await send(client, plan_request(rng, args, model)))
+    load_start = deadline - args.duration
+    while (sent := time.monotonic()) < deadline:
+        outcome = await send(client, plan_request(rng, args, model))
+        outcome.started_at, outcome.latency = sent - load_start, time.monotonic() - sent
+        outcomes.append(outcome)
 
 
 # ---- server observations -----------------------------------------------------------------
@@ -308,10 +313,26 @@ def summarize(run: Run, args: argparse.Namespace) -> dict[str, Any]:
         "preemptions": run.preemptions, "spec_decode": run.spec_decode, "kv_after": run.gauges,
         "error_samples": [f"{n}x {e}" for e, n in Counter(o.error for o in failed).most_common(5)],
         "finish_reason_problems": [f"{o.plan.route}: {p}" for o, p in problems[:5]],
+        "timeline": timeline(run, args.duration / args.windows),
     }
     summary["checks"] = checks(run, summary, args)
     summary["ok"] = all(c["ok"] for c in summary["checks"].values())
     return summary
+
+
+def timeline(run: Run, window: float) -> list[dict[str, Any]]:
+    """Per window of the load: requests started, their p99 latency and TTFT, peak RSS (a
+    soak shows drift here: latency or memory that climbs window after window)."""
+    rows = []
+    for k in range(max(1, round(run.elapsed / window))):
+        lo, hi = k * window, (k + 1) * window
+        done = [o for o in run.outcomes if lo <= o.started_at < hi and not o.error and not o.cancelled]
+        rss = [mib for t, mib in run.rss if lo <= t < hi]
+        rows.append({"start_s": round(lo), "requests": len(done),
+                     "p99_latency_s": round(percentile([o.latency or 0.0 for o in done], 99), 2),
+                     "p99_ttft_ms": round(percentile([1000 * (o.ttft or 0.0) for o in done], 99), 1),
+                     "rss_peak_mib": max(rss) if rss else None})
+    return rows
 
 
 def report_table(summary: dict[str, Any]) -> str:
@@ -422,6 +443,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-prompt-words", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens is uniform in [1, this]")
     parser.add_argument("--max-rss-growth-mb", type=float, default=64.0)
+    parser.add_argument("--windows", type=int, default=6, help="the timeline's windows over the load")
     parser.add_argument("--rss-interval", type=float, default=0.5, help="seconds between RSS samples")
     parser.add_argument("--settle-timeout", type=float, default=30.0, help="wait this long for KV to drain")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout")
@@ -451,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = run(args)
     print(json.dumps(summary, indent=2))
     print(report_table(summary))
+    print(markdown_table(["from s", "requests", "p99 latency s", "p99 TTFT ms", "RSS peak MiB"],
+                         [list(row.values()) for row in summary["timeline"]]))
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(summary, indent=2) + "\n")
     return 0 if summary["ok"] else 1

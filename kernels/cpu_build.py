@@ -7,27 +7,43 @@ built for another CPU. $SPECDEC_CXXFLAGS adds flags after ours (e.g. `-mno-avx51
 builds the 8-lane AVX2 code on an AVX-512 machine). Only a C++ compiler is needed (g++ by default, or $CXX): no
 torch headers, so a build takes a second or two. OpenMP comes from the libgomp torch
 already loaded.
+
+A library is loaded only once it matches the size and sha256 in the manifest beside it
+(`<library>.json`): calling into a truncated library would kill the process with SIGBUS.
+A library that is damaged, or has no manifest, is rebuilt with one warning. Builds hold a
+lock file per library, write to a temporary file and rename it into place, then write the
+manifest the same way, so concurrent builders never load or clobber a partial file; a
+builder holding the lock also removes what killed builds left behind.
 """
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from specdec.checksums import PARTIAL_SUFFIX, file_record, mismatch, write_json_atomic
 from specdec.model_registry import specdec_home
 
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+# A temporary file no lock covers (another library's, or one from before lock files) is
+# left alone until it is this old: a live build finishes in well under that.
+STALE_SECONDS = 15 * 60
 
 
 class KernelBuildError(RuntimeError):
@@ -36,20 +52,28 @@ class KernelBuildError(RuntimeError):
 
 @functools.cache
 def load(name: str) -> ctypes.CDLL:
-    """csrc/<name>.cpp as a loaded library, compiled first if not cached."""
-    source = SOURCE_DIR / f"{name}.cpp"
-    compiler = os.environ.get("CXX", "g++")
-    flags = [*FLAGS, *os.environ.get("SPECDEC_CXXFLAGS", "").split()]
-    library = specdec_home() / "kernels" / f"{name}-{_digest(source, compiler, flags)}.so"
-    if not library.exists():
-        try:
-            _compile(source, compiler, flags, library)
-        except OSError as error:  # an unwritable cache, a compiler that cannot start
-            raise KernelBuildError(f"cannot build {library}: {error}") from error
+    """csrc/<name>.cpp as a loaded library, compiled first if not cached or damaged."""
+    library = build(name)
     try:
         return ctypes.CDLL(str(library))
     except OSError as error:
         raise KernelBuildError(f"cannot load {library}: {error}") from error
+
+
+def build(name: str) -> Path:
+    """The cached library of csrc/<name>.cpp, checked against its manifest; (re)built
+    first if it is missing or does not match."""
+    source = SOURCE_DIR / f"{name}.cpp"
+    compiler = os.environ.get("CXX", "g++")
+    flags = [*FLAGS, *os.environ.get("SPECDEC_CXXFLAGS", "").split()]
+    library = specdec_home() / "kernels" / f"{name}-{_digest(source, compiler, flags)}.so"
+    if _damage(library) is None:
+        return library
+    try:
+        _rebuild(source, compiler, flags, library)
+    except OSError as error:  # an unwritable cache, a compiler that cannot start
+        raise KernelBuildError(f"cannot build {library}: {error}") from error
+    return library
 
 
 def function(name: str, symbol: str, argtypes: list[Any], restype: Any = None) -> Any:
@@ -89,12 +113,61 @@ def cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
 
 
-def _compile(source: Path, compiler: str, flags: list[str], library: Path) -> None:
+def _manifest(library: Path) -> Path:
+    return library.with_name(library.name + ".json")
+
+
+def _damage(library: Path) -> str | None:
+    """What is wrong with the cached library: "" if it was never built, None if it
+    matches its manifest, else what does not match."""
+    manifest = _manifest(library)
+    if not manifest.exists():
+        return f"recorded by no manifest ({manifest.name} is missing)" if library.exists() else ""
+    try:
+        record = json.loads(manifest.read_text())
+    except (OSError, ValueError) as error:
+        return f"recorded by an unreadable manifest {manifest.name} ({error})"
+    return mismatch(library, record)
+
+
+def _rebuild(source: Path, compiler: str, flags: list[str], library: Path) -> None:
     if shutil.which(compiler) is None:
         raise KernelBuildError(f"no C++ compiler {compiler!r} on PATH (set CXX) to build {source.name}")
     library.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(library):
+        _remove_stale_partials(library)
+        damage = _damage(library)  # again: another builder may have finished while this one waited
+        if damage is None:
+            return
+        if damage:
+            logger.warning("cached kernel library %s is bad, rebuilding it: %s", library, damage)
+        _compile(source, compiler, flags, library)
+        write_json_atomic(_manifest(library), file_record(library))
+
+
+@contextmanager
+def _locked(library: Path) -> Iterator[None]:
+    """Hold the library's build lock: released by the kernel even if this process is killed."""
+    with open(library.with_name(library.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _remove_stale_partials(library: Path) -> None:
+    """Delete temporary files of killed builds: this library's (its lock is held, so no live
+    build writes them), and any other older than STALE_SECONDS."""
+    old = time.time() - STALE_SECONDS
+    for path in [*library.parent.glob(f"*{PARTIAL_SUFFIX}"), *library.parent.glob("tmp*.so")]:
+        try:
+            if path.name.startswith(library.name + ".") or path.stat().st_mtime < old:
+                path.unlink()
+        except FileNotFoundError:  # another builder removed it first
+            pass
+
+
+def _compile(source: Path, compiler: str, flags: list[str], library: Path) -> None:
     # Build beside the target and rename: concurrent first uses never load a partial file.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    fd, partial = tempfile.mkstemp(dir=library.parent, prefix=library.name + ".", suffix=PARTIAL_SUFFIX)
     os.close(fd)
     try:
         result = subprocess.run([compiler, *flags, str(source), "-o", partial], capture_output=True, text=True)

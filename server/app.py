@@ -3,31 +3,36 @@
 Routes: POST /v1/completions (completions.py), POST /v1/chat/completions (chat.py),
 GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize. Errors are
 OpenAI error objects `{"error": {"message", "type", "param", "code"}}` (errors.py). When an
-api key is set, every route but /health and /metrics needs `Authorization: Bearer <key>`.
+api key is set, every route but /health and /metrics needs `Authorization: Bearer <key>`,
+the docs (/docs, /redoc, /openapi.json) too unless `docs_without_auth`. Admission
+(admission.py) refuses new requests while shutting down and caps each key's requests in
+flight; `_Server` drains on SIGTERM/SIGINT.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
-import hmac
 import logging
 import os
-import signal
+import time
 from collections.abc import AsyncIterator, Callable
 from types import FrameType
 from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from specdec.server.admission import Admission, AdmissionMiddleware, bearer_token, key_matches, resolve_api_key
 from specdec.server.async_engine import AsyncEngine
 from specdec.server.chat import chat_prompt, create_chat_completion
 from specdec.server.completions import create_completion
+from specdec.server.connections import guarded_protocol
 from specdec.server.errors import APIError, error_response, install_error_handlers
 from specdec.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdec.server.protocol import (
@@ -35,12 +40,14 @@ from specdec.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    parse_body,
 )
-from specdec.server.state import ServerState, server_state
+from specdec.server.state import ServerLimits, ServerState, server_limits, server_state
 
 logger = logging.getLogger(__name__)
-DRAIN_TIMEOUT_SECONDS = int(os.environ.get("SPECDEC_DRAIN_TIMEOUT", "30"))
+# After the shutdown deadline has aborted what was still running: time for those error
+# events to reach their clients, and uvicorn's wait for the last responses.
+SHUTDOWN_FLUSH_SECONDS = 5
+ENGINE_STOP_SECONDS = 10.0
 _SCHEMA_REF = "#/components/schemas/{model}"
 _BEARER = "bearerAuth"
 
@@ -52,9 +59,9 @@ async def authorize(request: Request) -> None:
     key = server_state(request).api_key
     if key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+    # Starlette decodes headers as latin-1: encoding back gives the bytes the client sent.
+    token = bearer_token(request.headers.get("authorization", "").encode("latin-1"))
+    if token is None or not key_matches(token, key):
         raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
                        code="invalid_api_key")
 
@@ -82,46 +89,66 @@ async def metrics(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     state = server_state(request)
-    body = await parse_body(request, TokenizeRequest)
+    body = await state.parse(request, TokenizeRequest)
     state.check_model(body.model)
     if body.messages is not None:
         conversation = [m.for_template() for m in body.messages]
-        tokens = chat_prompt(state, conversation, body.add_generation_prompt)
+        tokens = await chat_prompt(state, conversation, body.add_generation_prompt)
     else:
-        tokens = list(state.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens))
+        tokens = await state.encode(body.prompt or "", "prompt", body.add_special_tokens)
     return JSONResponse({"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens})
 
 
 async def detokenize(request: Request) -> Response:
     state = server_state(request)
-    body = await parse_body(request, DetokenizeRequest)
+    body = await state.parse(request, DetokenizeRequest)
     state.check_model(body.model)
     bad = [t for t in body.tokens if not 0 <= t < state.vocab_size]
     if bad:
         raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {state.vocab_size})",
                        param="tokens")
-    return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)})
+    return JSONResponse({"prompt": await state.text.decode(body.tokens)})
+
+
+async def openapi_json(request: Request) -> Response:
+    return JSONResponse(request.app.openapi())
+
+
+async def swagger_docs(request: Request) -> Response:
+    return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{request.app.title} - docs")
+
+
+async def redoc_docs(request: Request) -> Response:
+    return get_redoc_html(openapi_url="/openapi.json", title=f"{request.app.title} - ReDoc")
 
 
 # ---- the app ---------------------------------------------------------------------------------
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
+              docs_without_auth: bool = False, max_requests_per_key: int | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
+    """The app; `max_requests_per_key` caps each key's (or address's) generation requests in
+    flight (None: no cap). `app.state.admission` is what `_Server` closes on a signal."""
     engine: Any = async_engine.engine
     num_spec = int(getattr(engine, "num_speculative_tokens", 0) or 0)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await async_engine.shutdown(drain=False, timeout=DRAIN_TIMEOUT_SECONDS)
+        await async_engine.shutdown(drain=False, timeout=ENGINE_STOP_SECONDS)
 
-    app = FastAPI(title="specdec", summary="OpenAI-compatible speculative-decoding server", lifespan=lifespan)
+    # FastAPI's own docs routes take no dependencies: _router adds them, behind the key
+    app = FastAPI(title="specdec", summary="OpenAI-compatible speculative-decoding server", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = ServerState(
         engine=async_engine, model_name=served_model_name, api_key=api_key, tokenizer=_server_tokenizer(engine),
         max_model_len=int(engine.max_model_len), vocab_size=int(engine.model_config.vocab_size),
-        metrics=ServerMetrics(num_spec),
+        metrics=ServerMetrics(num_spec), limits=limits or ServerLimits(),
     )
-    app.include_router(_router(api_key))
+    app.state.admission = Admission(api_key, max_requests_per_key, on_reject=app.state.server.metrics.reject)
+    app.add_middleware(AdmissionMiddleware, admission=app.state.admission)
+    app.include_router(_router(api_key, docs_without_auth))
     app.openapi = _openapi(app, api_key)  # type: ignore[method-assign]
     install_error_handlers(app)
     return app
@@ -137,9 +164,13 @@ def _server_tokenizer(engine: Any) -> Any:
         return AutoTokenizer.from_pretrained(str(engine.model_dir))
 
 
-def _router(api_key: str | None) -> APIRouter:
+def _router(api_key: str | None, docs_without_auth: bool) -> APIRouter:
     router = APIRouter()
     secured = [Depends(authorize)]
+    for path, page in (("/openapi.json", openapi_json), ("/docs", swagger_docs), ("/redoc", redoc_docs)):
+        router.add_api_route(path, page, methods=["GET"], include_in_schema=False,
+                             response_class=JSONResponse if path.endswith(".json") else HTMLResponse,
+                             dependencies=None if docs_without_auth else secured)
     routes: list[tuple[str, Callable[..., Any], str, bool, type[BaseModel] | None]] = [
         ("/v1/completions", create_completion, "POST", True, CompletionRequest),
         ("/v1/chat/completions", create_chat_completion, "POST", True, ChatCompletionRequest),
@@ -190,22 +221,66 @@ def _openapi(app: FastAPI, api_key: str | None) -> Callable[[], dict[str, Any]]:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, but the first SIGTERM/SIGINT also stops new requests (health 503);
-    in-flight ones may finish for up to DRAIN_TIMEOUT_SECONDS, the rest are aborted, and
-    the process exits 0."""
+    """uvicorn's server, draining on SIGTERM/SIGINT: the first signal closes admission (503
+    for new requests, /health 503) while in-flight requests go on; at `shutdown_timeout`,
+    or at a second signal, the engine aborts what is left, so each stream still ends with an
+    error event and [DONE] and each non-streaming request with an error body. Only then does
+    uvicorn's own shutdown start, which would cut responses still running. Exits 0."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, admission: Admission,
+                 shutdown_timeout: float) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.engine, self.admission, self.shutdown_timeout = engine, admission, shutdown_timeout
+        self.num_signals = 0
+        self.deadline: float | None = None
+        self.aborted_at: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
-            logger.info("signal %s: draining in-flight requests, then exiting", sig)
-        self.engine.begin_shutdown()
-        super().handle_exit(sig, frame)
-        captured = getattr(self, "_captured_signals", None)
-        if isinstance(captured, list) and sig in (signal.SIGTERM, signal.SIGINT):
-            captured.clear()  # a drained exit is a clean one: do not re-raise the signal
+        # Not uvicorn's: that exits at once, and re-raises the signal after (exit code != 0).
+        self.num_signals += 1
+        if self.num_signals == 1:
+            logger.info("signal %s: refusing new requests; those in flight have %g s to finish (a second "
+                        "signal ends them now)", sig, self.shutdown_timeout)
+            self.admission.close()
+            self.engine.begin_shutdown()
+            self.deadline = time.monotonic() + self.shutdown_timeout
+        else:
+            logger.info("signal %s again: ending the requests in flight now", sig)
+            self.deadline = time.monotonic()
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        return self.deadline is not None and self.drained()
+
+    def drained(self) -> bool:
+        """True once no generation request is in flight, or once those the deadline aborted
+        have had SHUTDOWN_FLUSH_SECONDS to send their error events."""
+        if self.admission.in_flight == 0:
+            return True
+        now = time.monotonic()
+        if self.aborted_at is None and self.deadline is not None and now >= self.deadline:
+            logger.info("shutting down: ending %d requests still in flight with an error", self.admission.in_flight)
+            self.aborted_at = now
+            self.engine.abort_all()
+        return self.aborted_at is not None and now - self.aborted_at > SHUTDOWN_FLUSH_SECONDS
+
+
+def uvicorn_config(app: FastAPI, args: argparse.Namespace) -> uvicorn.Config:
+    """The serve flags as uvicorn's settings (the connection limits included)."""
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                          http=guarded_protocol(args.timeout_header_read),
+                          h11_max_incomplete_event_size=args.max_header_bytes,
+                          timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
+                          timeout_graceful_shutdown=SHUTDOWN_FLUSH_SECONDS)
+
+
+def make_server(args: argparse.Namespace, async_engine: AsyncEngine, api_key: str | None) -> _Server:
+    """The app and its uvicorn server for these serve flags."""
+    name = args.served_model_name or args.model
+    app = build_app(async_engine, name, api_key, docs_without_auth=args.docs_without_auth,
+                    max_requests_per_key=args.max_concurrent_requests_per_key, limits=server_limits(args))
+    return _Server(uvicorn_config(app, args), async_engine, app.state.admission, args.shutdown_timeout)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -213,12 +288,12 @@ def serve(args: argparse.Namespace) -> None:
     from specdec.llm import LLM
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        api_key = resolve_api_key(args.api_key, os.environ.get("SPECDEC_API_KEY"))
+    except ValueError as exc:
+        raise SystemExit(f"specdec serve: error: {exc}") from None
     llm = LLM(args.model, **engine_kwargs(args))
-    async_engine = AsyncEngine(llm.engine)
-    name = args.served_model_name or args.model
-    api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
-    app = build_app(async_engine, name, api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=DRAIN_TIMEOUT_SECONDS)
-    logger.info("serving %s (%s) on http://%s:%s", name, llm.model_dir, args.host, args.port)
-    _Server(config, async_engine).run()
+    server = make_server(args, AsyncEngine(llm.engine), api_key)
+    logger.info("serving %s (%s) on http://%s:%s", args.served_model_name or args.model, llm.model_dir, args.host,
+                args.port)
+    server.run()

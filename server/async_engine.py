@@ -88,11 +88,16 @@ class _Abort:
 
 
 @dataclass
+class _AbortAll:
+    pass
+
+
+@dataclass
 class _Stop:
     drain: bool
 
 
-_Command = _Add | _Abort | _Stop
+_Command = _Add | _Abort | _AbortAll | _Stop
 
 
 def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
@@ -214,6 +219,15 @@ class AsyncEngine:
         except RuntimeError:
             pass  # the loop is gone: its requests are gone with it
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (freeing their KV blocks); the loop goes on. Each
+        stream ends with an "abort" output, which the server turns into an error event or a
+        503: how a shutdown deadline ends what is still running."""
+        try:
+            self._submit(_AbortAll())
+        except RuntimeError:
+            pass  # the loop is gone: _close has failed its requests already
+
     def begin_shutdown(self) -> None:
         """Refuse new requests from now on (health reports 503); in-flight ones go on."""
         self._accepting = False
@@ -278,11 +292,12 @@ class AsyncEngine:
             self._add(command)
         elif isinstance(command, _Abort):
             self._abort(command.request_id)
+        elif isinstance(command, _AbortAll):
+            self._abort_all()
         else:
             self._draining = command.drain
             if not command.drain:
-                for request_id in list(self._groups):
-                    self._abort(request_id)
+                self._abort_all()
             return True
         return False
 
@@ -315,6 +330,10 @@ class AsyncEngine:
                 output = _error_output(child_id, None, "the request was aborted")
                 output.outputs[0].finish_reason = "abort"
             self._dispatch(output)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._groups):
+            self._abort(request_id)
 
     def _step(self) -> None:
         try:

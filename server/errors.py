@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 # SamplingParams' messages start with the field's name: those name the request's `param`
@@ -49,7 +50,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
-    app.add_exception_handler(Exception, _on_unexpected)
+    app.add_middleware(UnexpectedErrors)  # added last: outermost but for Starlette's own
 
 
 async def _on_api_error(request: Request, exc: Exception) -> Response:
@@ -75,6 +76,27 @@ async def _on_validation_error(request: Request, exc: Exception) -> Response:
     return error_response(APIError(400, message))
 
 
-async def _on_unexpected(request: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(APIError(500, "internal server error", "server_error"))
+class UnexpectedErrors:
+    """Any other exception becomes one OpenAI-shaped 500, logged once. (An Exception handler
+    would run in Starlette's ServerErrorMiddleware, which re-raises for uvicorn to log it again.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:  # else the client sees its response cut short: nothing more can be sent
+                await error_response(APIError(500, "internal server error", "server_error"))(scope, receive, send)

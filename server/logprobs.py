@@ -22,6 +22,9 @@ class TokenStrings:
         """The token as logprobs name it: OpenAI's `bytes:\\xNN` form for part of a character."""
         return self._entry(token_id)[1]
 
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids))
+
     def raw_bytes(self, token_id: int) -> list[int]:
         return list(self._entry(token_id)[2])
 

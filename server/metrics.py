@@ -34,6 +34,7 @@ _ENGINE_COUNTERS = {
     "specdec:spec_decode_num_accepted_tokens": ("num_accepted_tokens", "Draft tokens accepted."),
     "specdec:num_preemptions": ("num_preemptions", "Requests preempted (KV freed, recomputed later)."),
 }
+REJECT_REASONS = ("per_key_limit", "shutting_down")
 _PER_POS = "specdec:spec_decode_num_accepted_tokens_per_pos"
 _GAUGES = {
     "specdec:num_requests_running": ("num_requests_running", "Requests in the running batch."),
@@ -58,6 +59,10 @@ class ServerMetrics:
         self.per_pos = Counter(_PER_POS, "Accepted draft tokens by draft position.", ["position"], registry=reg)
         for pos in range(num_speculative_tokens):
             self.per_pos.labels(position=str(pos))
+        self.rejected = Counter("specdec:requests_rejected", "Requests refused before they ran: per_key_limit "
+                                "(429), shutting_down (503).", ["reason"], registry=reg)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)
         ProcessCollector(registry=reg)  # process_resident_memory_bytes etc. (Linux /proc/self)
         self._last: dict[str, Any] = {}
 
@@ -79,6 +84,9 @@ class ServerMetrics:
     def render(self, stats: dict[str, Any]) -> bytes:
         self.refresh(stats)
         return generate_latest(self.registry)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason=reason).inc()
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)

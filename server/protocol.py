@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic 2): their models, their strict
 parsing off the wire (`parse_body`), and their validation errors.
 
-Beyond OpenAI's fields every generation request takes a few vLLM-style extras:
-`top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+Beyond OpenAI's fields every generation request takes vLLM-style extras: `top_k`,
+`min_p`, `repetition_penalty`, `allowed_token_ids`, `bad_words`, `min_tokens`,
+`ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
 `include_stop_str_in_output`, and the specdec switch
 
     speculative: bool = true
@@ -12,27 +13,56 @@ target model). With temperature 0 both give the same tokens; with speculation th
 usually arrive sooner, several per step. It is a no-op on a server started without a
 `--speculative-config`.
 
-Unknown fields are ignored, as OpenAI's own server does for fields it does not know.
+Unknown fields are ignored, as OpenAI's own server does for fields it does not know. Known
+fields are strict: `true` or `1.5` where an integer is expected is a 400 naming the field.
+
+`parse_body` reads at most `max_bytes` of a body and refuses JSON nested deeper than
+`max_depth` or holding lone UTF-16 surrogates (`"\\ud800"`) before validating it. Validators
+that see a `BodyContext` (ServerState passes one) also refuse too many prompts, too many
+choices and token-id lists longer than max_model_len, each before any per-item work.
 """
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import ErrorDetails
 
 from specdec.sampling_params import MAX_INT64, MAX_N, MAX_STOP_STRINGS, SamplingParams
 from specdec.server.errors import APIError
+from specdec.server.json_body import DEFAULT_MAX_JSON_DEPTH, load_json
 
 MAX_LOGPROBS = 20
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 PromptInput = str | list[str] | list[int] | list[list[int]]
 Body = TypeVar("Body", bound=BaseModel)
 
 
+@dataclass(frozen=True)
+class BodyContext:
+    """The server's limits that validators need (pydantic's validation context)."""
+
+    max_model_len: int
+    max_prompts: int
+    max_choices: int
+
+
+def _context(info: ValidationInfo) -> BodyContext | None:
+    return info.context if isinstance(info.context, BodyContext) else None
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -48,6 +78,27 @@ def _check_token_ids(value: list[Any], what: str) -> None:
         raise ValueError(f"{what} is empty: at least one token is needed")
     if not all(_is_int(t) for t in value):
         raise ValueError(f"{what} must contain only integer token ids")
+
+
+def check_length(token_ids: list[Any], max_model_len: int) -> None:
+    """A prompt must leave room for one generated token (the engine's own rule)."""
+    if len(token_ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is {max_model_len}: "
+                         "the prompt must be shorter than max_model_len to leave room for output")
+
+
+def check_sizes(value: Any, context: BodyContext | None) -> None:
+    """Counts first, so a huge list is refused before any per-item work."""
+    if context is None or not isinstance(value, list) or not value:
+        return
+    if isinstance(value[0], int):
+        check_length(value, context.max_model_len)
+        return
+    if len(value) > context.max_prompts:
+        raise ValueError(f"{len(value)} prompts is more than the limit of {context.max_prompts} per request")
+    for item in value:
+        if isinstance(item, list):
+            check_length(item, context.max_model_len)
 
 
 def check_prompt(value: Any) -> Any:
@@ -92,7 +143,7 @@ class _Sampling(_Body):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1, lt=MAX_INT64)
-    seed: int | None = Field(default=None, ge=0, lt=MAX_INT64)
+    seed: int | None = Field(default=None, ge=-1, lt=MAX_INT64)  # -1: random, as vLLM
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -102,8 +153,13 @@ class _Sampling(_Body):
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     speculative: bool = True  # False: plain decoding for this request
 
     _check_stop = field_validator("stop", mode="before")(check_stop)
@@ -113,13 +169,6 @@ class _Sampling(_Body):
     def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
         if value is not None and any(t < 0 for t in value):
             raise ValueError("stop_token_ids must be non-negative integers")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("presence and frequency penalties are not supported; use 0")
         return value
 
     @model_validator(mode="after")
@@ -140,7 +189,21 @@ class _Sampling(_Body):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+            logit_bias=_token_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
         )
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """logit_bias with its JSON string keys as token ids."""
+    if bias is None:
+        return None
+    for key in bias:
+        if not key.isdigit():
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+    return {int(key): value for key, value in bias.items()}
 
 
 class CompletionRequest(_Sampling):
@@ -150,7 +213,20 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
 
-    _check_prompt = field_validator("prompt", mode="before")(check_prompt)
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any, info: ValidationInfo) -> Any:
+        check_sizes(value, _context(info))
+        return check_prompt(value)
+
+    @model_validator(mode="after")
+    def _check_choices(self, info: ValidationInfo) -> CompletionRequest:
+        context = _context(info)
+        choices = self.n * len(self.prompts())
+        if context is not None and choices > context.max_choices:
+            raise ValueError(f"n × prompts is {self.n} × {len(self.prompts())} = {choices} choices, more than "
+                             f"the limit of {context.max_choices} per request")
+        return self
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> CompletionRequest:
@@ -253,6 +329,15 @@ class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _check_tokens(cls, value: Any, info: ValidationInfo) -> Any:
+        context = _context(info)
+        if context is not None and isinstance(value, list) and len(value) > context.max_model_len:
+            raise ValueError(f"{len(value)} tokens is more than max_model_len ({context.max_model_len}): "
+                             "no sequence of this model is that long")
+        return value
+
 
 # ---- validation errors -> one clear message ------------------------------------------------
 
@@ -284,31 +369,36 @@ def format_validation_error(exc: ValidationError) -> tuple[str, str | None]:
 # ---- reading a body off the wire -------------------------------------------------------------
 
 
-async def parse_body(request: Request, model: type[Body]) -> Body:
+async def parse_body(request: Request, model: type[Body], max_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                     max_depth: int = DEFAULT_MAX_JSON_DEPTH, context: BodyContext | None = None) -> Body:
     """Strict JSON parsing with OpenAI-style 4xx errors (no framework internals leak)."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {content_type or 'none'!r}",
                        code="unsupported_media_type")
-    raw = await request.body()
+    data = load_json(await read_body(request, max_bytes), max_depth)
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise APIError(400, f"the request body is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        data = json.loads(text, parse_constant=_reject_constant)
-    except ValueError as exc:
-        detail = f"{exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else exc
-        raise APIError(400, f"the request body is not valid JSON: {detail}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=context)
     except ValidationError as exc:
         message, param = format_validation_error(exc)
         raise APIError(400, message, param=param) from None
 
 
-def _reject_constant(name: str) -> Any:
-    """NaN and Infinity are not JSON, though Python's json module reads them."""
-    raise ValueError(f"{name} is not a valid JSON number")
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to be over `max_bytes`: a declared
+    Content-Length before reading anything, a chunked body once that many bytes came in."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"the request body is larger than the server's limit of {max_bytes} bytes "
+                         "(--max-body-bytes)", code="request_too_large")

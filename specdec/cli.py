@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -68,15 +69,75 @@ def _add_eval(sub: Any) -> None:
     acc.set_defaults(func=acceptance.main)
 
 
+def _at_least(minimum: float, kind: type[int] | type[float] = int) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value >= minimum:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _add_access_args(serve: argparse.ArgumentParser) -> None:
+    """Auth, connection limits, per-key fairness and shutdown (server/admission.py, connections.py)."""
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer <key>` on every route but /health and /metrics. Prefer "
+                            "setting $SPECDEC_API_KEY: a flag shows in `ps` and in shell history. If both are set "
+                            "they must be equal, else serve refuses to start")
+    serve.add_argument("--docs-without-auth", action="store_true",
+                       help="serve /docs, /redoc and /openapi.json without the key")
+    serve.add_argument("--max-concurrent-requests-per-key", type=_at_least(1), default=None, metavar="N",
+                       help="most completion requests in flight per bearer token (per client address for a client "
+                            "that sends none), 429 beyond it; unset, no cap")
+    serve.add_argument("--limit-concurrency", type=_at_least(2), default=None, metavar="N",
+                       help="uvicorn's limit_concurrency: a request that arrives while N connections are open or "
+                            "N requests are running gets 503 (its own connection counts); unset, no limit")
+    serve.add_argument("--timeout-keep-alive", type=_at_least(1), default=5, metavar="SECONDS",
+                       help="close an idle keep-alive connection after this long (uvicorn's timeout_keep_alive)")
+    serve.add_argument("--timeout-header-read", type=_positive_float, default=10.0, metavar="SECONDS",
+                       help="close a connection whose request head has not arrived this long after it connected "
+                            "(or after its next request began): 408, or no answer if it sent nothing")
+    serve.add_argument("--max-header-bytes", type=_at_least(1024), default=16384, metavar="BYTES",
+                       help="largest request head (request line and headers); larger gets 431 (h11's "
+                            "max_incomplete_event_size, also applied to a head that arrives whole)")
+    serve.add_argument("--shutdown-timeout", type=_at_least(0.0, float), default=30.0, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, how long requests in flight may go on while new ones get 503; then, "
+                            "or at a second signal, they end with an error (streams: an error event and [DONE])")
+
+
+def _add_limit_args(serve: argparse.ArgumentParser) -> None:
+    """What one request may ask of the server (server/state.py ServerLimits; unset: its default)."""
+    limit = _at_least(1)
+    serve.add_argument("--max-body-bytes", type=limit, default=None, metavar="BYTES",
+                       help="largest request body; larger gets 413 without being read (default 8 MiB)")
+    serve.add_argument("--max-json-depth", type=limit, default=None, metavar="N",
+                       help="deepest nesting of a request body's JSON; deeper gets 400 (default 64)")
+    serve.add_argument("--max-prompts", type=limit, default=None, metavar="N",
+                       help="most prompts in one completions request (default 64)")
+    serve.add_argument("--max-choices", type=limit, default=None, metavar="N",
+                       help="most choices (n × prompts) in one request (default 128)")
+    serve.add_argument("--max-prompt-tokens", type=limit, default=None, metavar="N",
+                       help="most prompt tokens in one request, all its prompts together (default 65536)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HELP_FORMAT)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.add_argument("--api-key", default=None,
-                       help="require `Authorization: Bearer <key>`; when not given, $SPECDEC_API_KEY if set")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use; when not given, MODEL")
+    _add_access_args(serve)
+    _add_limit_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
     gen = sub.add_parser("generate", help="one-off generation", formatter_class=HELP_FORMAT)

@@ -108,6 +108,10 @@ class EngineConfig:
     max_num_batched_tokens: int = _option(2048, "most tokens one engine step runs (prefill chunks, decode and "
                                                 "draft tokens together)")
     max_num_seqs: int = _option(64, "most requests in the running batch")
+    prefill_step_target_ms: float = _option(
+        250.0, "while other requests decode, a prefill chunk is cut to what fits in about this many milliseconds "
+               "of step time (measured as the engine runs), so their tokens keep flowing; 0: chunks fill "
+               "max_num_batched_tokens")
     block_size: int = _option(16, "tokens per KV-cache block (a power of two up to 128)")
     kv_cache_memory: int = _option(DEFAULT_KV_CACHE_MEMORY, "bytes for the KV cache")
     kv_cache_dtype: str = _option("auto", "KV cache storage dtype (auto: the model dtype); fp16/bf16 halve KV "
@@ -151,6 +155,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not self.prefill_step_target_ms >= 0:
+            raise ValueError(f"prefill_step_target_ms must be >= 0, got {self.prefill_step_target_ms}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -22,6 +22,7 @@ from specdec.model_runner import KVCache, ModelRunner
 from specdec.models import LlamaForCausalLM, load_model
 from specdec.output_processor import commit_tokens, make_output
 from specdec.outputs import RequestOutput
+from specdec.pacing import PrefillPacer
 from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest, Scheduler
@@ -53,7 +54,8 @@ class LLMEngine:
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         self.policy: SpeculationPolicy = _build_adaptive(self) if spec and spec.adaptive else FixedSpeculation()
-        self.scheduler = Scheduler(config, self.block_manager, self.policy)
+        self.pacer = PrefillPacer(config.prefill_step_target_ms / 1000, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(config, self.block_manager, self.policy, self.pacer)
         self.drafter: Drafter | None = build_drafter(self._drafter_context()) if spec else None
         self.metrics = EngineMetrics(self.num_speculative_tokens)
 
@@ -97,6 +99,7 @@ class LLMEngine:
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(token_ids)
+        params = self._check_params(params)
         if self.scheduler.find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(token_ids)
@@ -123,6 +126,14 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(token_ids)} tokens and needs {blocks} KV blocks, "
                              f"but the KV cache holds only {self.block_manager.num_blocks}")
 
+    def _check_params(self, params: SamplingParams) -> SamplingParams:
+        """The params with bad_words tokenized; every token id they name must be in the vocabulary."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.token_ids_used() if t >= vocab]
+        if bad:
+            raise ValueError(f"sampling params name token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        return params.tokenized(self.tokenizer)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.find(request_id)
         if request is None:
@@ -145,7 +156,9 @@ class LLMEngine:
             trees = self._propose(batch)
             draft_seconds = watch.lap()
             output = self.runner.execute(batch, trees)
-            self.policy.observe_step(_step_report(batch, trees, draft_seconds, watch.lap()))
+            forward_seconds = watch.lap()
+            self.policy.observe_step(_step_report(batch, trees, draft_seconds, forward_seconds))
+            self.pacer.observe(sum(item.num_new_tokens for item in batch if item.num_new_tokens > 1), forward_seconds)
             verified = verify(batch, trees, output)
         except Exception as error:  # a failed step fails its requests, not the engine
             logger.exception("engine step failed")

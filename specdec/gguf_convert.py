@@ -11,6 +11,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from specdec.checksums import write_model_manifest
+
 # llama.cpp tensor names → HF names; {i} is the layer index.
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -31,7 +33,9 @@ _GLOBAL_NAMES = {
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write an HF directory for a llama-architecture GGUF; atomic (tmp dir, then rename)."""
+    """Write an HF directory for a llama-architecture GGUF; atomic (tmp dir, then rename).
+    A manifest records every file's sha256, so loading catches later damage (named after
+    out_dir, the known model it is pulled as)."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -46,6 +50,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         save_file(_tensors(reader, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_config(tmp, config)
         _write_tokenizer(gguf_path, tmp)
+        write_model_manifest(tmp, out_dir.name)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

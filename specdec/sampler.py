@@ -1,4 +1,4 @@
-"""Batched token sampling: temperature, top-k, top-p, per-request seeded generators.
+"""Batched token sampling: temperature, top-k, top-p, min-p, per-request seeded generators.
 
 Every function works on a batch of rows, one row per request (or per position of a
 request during verification, see `SamplingTensors.repeat`).
@@ -21,17 +21,20 @@ class SamplingTensors:
     temperature: Tensor  # [N] float32; 0 on greedy rows
     top_k: Tensor  # [N] int64; 0 = off
     top_p: Tensor  # [N] float32; 1 = off
+    min_p: Tensor  # [N] float32; 0 = off
     greedy: Tensor  # [N] bool
     generators: list[torch.Generator | None]  # [N] per-request seeded generator, or None (global RNG)
     all_greedy: bool
     # Computed once here so the hot path never has to ask the tensors (a device sync on GPU).
     any_top_k: bool = field(init=False)
     any_top_p: bool = field(init=False)
+    any_min_p: bool = field(init=False)
 
     def __post_init__(self) -> None:
         stochastic = ~self.greedy
         self.any_top_k = bool(((self.top_k > 0) & stochastic).any())
         self.any_top_p = bool(((self.top_p < 1.0) & stochastic).any())
+        self.any_min_p = bool(((self.min_p > 0.0) & stochastic).any())
 
     @classmethod
     def from_params(
@@ -49,6 +52,7 @@ class SamplingTensors:
                 dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             generators=list(generators),
             all_greedy=all(greedy),
@@ -74,13 +78,13 @@ class SamplingTensors:
         greedy = take(self.greedy)
         return SamplingTensors(
             temperature=take(self.temperature), top_k=take(self.top_k),
-            top_p=take(self.top_p), greedy=greedy, generators=gens,
+            top_p=take(self.top_p), min_p=take(self.min_p), greedy=greedy, generators=gens,
             all_greedy=bool(greedy.all()),
         )
 
 
 def logits_to_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
-    """[N, V] logits -> [N, V] float32 probabilities after temperature, top-k, top-p.
+    """[N, V] logits -> [N, V] float32 probabilities after temperature, top-k, top-p, min-p.
 
     Greedy rows come out one-hot at their argmax, so a verifier can treat them like any
     other distribution.
@@ -96,6 +100,8 @@ def logits_to_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
     elif st.any_top_k:
         logits = _mask_top_k(logits, st.top_k)
     probs = torch.softmax(logits, dim=-1)  # [N, V]
+    if st.any_min_p:
+        probs = _mask_min_p(probs, st.min_p)
     if bool(st.greedy.any()):
         probs = torch.where(st.greedy.unsqueeze(1), _one_hot_argmax(logits), probs)
     return probs
@@ -104,6 +110,13 @@ def logits_to_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
 def _one_hot_argmax(logits: Tensor) -> Tensor:
     probs = torch.zeros_like(logits, dtype=torch.float32)  # [N, V]
     return probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def _mask_min_p(probs: Tensor, min_p: Tensor) -> Tensor:  # [N, V], [N] -> [N, V]
+    """Zero the tokens below min_p times the row's top probability, then renormalise."""
+    floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [N, 1]
+    kept = probs.masked_fill(probs < floor, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def _mask_top_k(logits: Tensor, top_k: Tensor) -> Tensor:

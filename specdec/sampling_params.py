@@ -1,11 +1,13 @@
 """Per-request sampling settings, named as in vLLM."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16
 MAX_INT64 = 2**63
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 
 
 @dataclass
@@ -23,6 +25,15 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per output token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    min_p: float = 0.0  # drop tokens below min_p times the most likely token's probability
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (divides/multiplies logits)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words that may not be generated (tokenized by the engine)
+    # bad_words as token-id sequences, with and without a leading space (`tokenized`)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -31,6 +42,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # as in vLLM: a random seed
+            self.seed = None
+        if self.logit_bias is not None:
+            self.logit_bias = {_token_id(k): float(v) for k, v in self.logit_bias.items()}
         self.validate()
 
     def validate(self) -> None:
@@ -52,10 +67,55 @@ class SamplingParams:
                "stop_token_ids must be non-negative integers")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20,
                f"logprobs must be in [0, 20], got {self.logprobs}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in (self.logit_bias or {}).values()),
+               f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        _check(self.allowed_token_ids is None
+               or (bool(self.allowed_token_ids) and all(_is_token_id(t) for t in self.allowed_token_ids)),
+               "allowed_token_ids must be a non-empty list of non-negative integer token ids")
+        _check(all(isinstance(w, str) and w for w in self.bad_words or []),
+               "bad_words must be a list of non-empty strings")
+
+    def token_ids_used(self) -> list[int]:
+        """Token ids these settings name (the engine checks them against its vocabulary)."""
+        return [*(self.logit_bias or {}), *(self.allowed_token_ids or []), *(self.stop_token_ids or [])]
+
+    def tokenized(self, tokenizer: Any) -> SamplingParams:
+        """A copy with bad_words as token-id sequences, each with and without a leading
+        space (a word mid-sentence is usually its space-prefixed token), as vLLM does."""
+        if not self.bad_words:
+            return self
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return replace(self, bad_words_token_ids=sequences)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _token_id(key: Any) -> int:
+    """A logit_bias key: an int, or a string of one (JSON objects have string keys)."""
+    try:
+        token = int(key)
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+    if token < 0 or isinstance(key, bool):
+        raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
+    return token
 
 
 def _check(ok: bool, message: str) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from specdec.block_manager import BlockManager
 from specdec.config import EngineConfig, SpeculativeConfig
+from specdec.pacing import PrefillPacer
 from specdec.request import Request, RequestStatus
 from specdec.speculation import DraftLimit, FixedSpeculation, SpeculationPolicy
 
@@ -50,11 +51,12 @@ class ScheduledRequest:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 policy: SpeculationPolicy | None = None) -> None:
+                 policy: SpeculationPolicy | None = None, pacer: PrefillPacer | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.spec: SpeculativeConfig | None = config.speculative_config
         self.policy = policy or FixedSpeculation()
+        self.pacer = pacer or PrefillPacer(config.prefill_step_target_ms / 1000, config.max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -66,30 +68,33 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledRequest]:
-        budget = self.config.max_num_batched_tokens
+        budget = _StepBudget(self.config.max_num_batched_tokens,
+                             self.pacer.limit(others_decoding=any(r.is_decoding for r in self.running)))
         running, preempted = self._schedule_running(budget)
-        budget -= sum(num_new + (limit.num_draft_tokens if limit else 0) for _, num_new, limit in running)
         admitted = [] if preempted else self._schedule_waiting(budget)
         grants = self._grant(running, admitted)
         return [ScheduledRequest(request, num_new, drafts, min(limit.max_depth, drafts) if limit else 0)
                 for (request, num_new, limit), drafts in zip(running, grants)] + admitted
 
-    def _schedule_running(self, budget: int) -> tuple[list[tuple[Request, int, DraftLimit | None]], bool]:
+    def _schedule_running(self, budget: _StepBudget) -> tuple[list[tuple[Request, int, DraftLimit | None]], bool]:
         """Known tokens and draft limit per running request, oldest first, while the token
         budget lasts; KV blocks are reserved for the known tokens and the most the request
         may draft (what a smaller grant leaves unused is freed when its step commits)."""
         planned: list[tuple[Request, int, DraftLimit | None]] = []
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            limit = self._draft_limit(request, budget)
+            num_new = budget.chunk(request)
+            if num_new == 0:  # a prefill, and the step's prefill share is spent
+                i += 1
+                continue
+            limit = self._draft_limit(request, budget.tokens)
             if not self._reserve(request, num_new + (limit.num_draft_tokens if limit else 0)):
                 preempted = True
                 continue  # the list shrank from the end; retry the same index
             planned.append((request, num_new, limit))
-            budget -= num_new + (limit.num_draft_tokens if limit else 0)
+            budget.take(request, num_new, limit.num_draft_tokens if limit else 0)
             i += 1
         return planned, preempted
 
@@ -128,13 +133,13 @@ class Scheduler:
         by_max_tokens = request.max_tokens - request.num_output_tokens - 1
         return min(by_length, by_max_tokens)
 
-    def _schedule_waiting(self, budget: int) -> list[ScheduledRequest]:
+    def _schedule_waiting(self, budget: _StepBudget) -> list[ScheduledRequest]:
         scheduled: list[ScheduledRequest] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             self.block_manager.match_prefix(request)
-            item = ScheduledRequest(request, min(request.num_tokens - request.num_computed_tokens, budget))
-            if not self.block_manager.can_allocate(request, item.num_new_tokens):
+            item = ScheduledRequest(request, budget.chunk(request))
+            if item.num_new_tokens == 0 or not self.block_manager.can_allocate(request, item.num_new_tokens):
                 self._unmatch(request)
                 break
             self.block_manager.allocate(request, item.num_new_tokens)
@@ -142,7 +147,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(item)
-            budget -= item.num_new_tokens
+            budget.take(request, item.num_new_tokens, 0)
         return scheduled
 
     def _unmatch(self, request: Request) -> None:
@@ -173,3 +178,23 @@ class Scheduler:
             if request.request_id == request_id:
                 return request
         return None
+
+
+class _StepBudget:
+    """What is left of one step's tokens, and of the share prefill chunks may take."""
+
+    def __init__(self, tokens: int, prefill_tokens: int) -> None:
+        self.tokens = tokens
+        self.prefill_tokens = prefill_tokens
+
+    def chunk(self, request: Request) -> int:
+        """Known tokens to run for the request: all it has, within what is left (0: none)."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining == 1:  # decoding: never held back by prefill pacing
+            return min(1, self.tokens)
+        return max(0, min(remaining, self.tokens, self.prefill_tokens))
+
+    def take(self, request: Request, num_new: int, num_draft_tokens: int) -> None:
+        self.tokens -= num_new + num_draft_tokens
+        if request.num_tokens - request.num_computed_tokens > 1:
+            self.prefill_tokens -= num_new

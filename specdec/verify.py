@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.logits_processors import process_logits
 from specdec.model_runner import ForwardOutput
 from specdec.rejection import rejection_sample
 from specdec.sampler import SamplingTensors, top_logprobs
@@ -34,12 +35,13 @@ def verify(
     starts = _row_starts(output.num_rows)
     results = [Verified() for _ in batch]
     active = [i for i, rows in enumerate(output.num_rows) if rows > 0]
+    logits = process_logits(output.logits, [item.request for item in batch], trees, output.num_rows)  # [R, V]
     chains = [i for i in active if trees[i].is_chain]
     branching = [i for i in active if not trees[i].is_chain]
     if chains:
-        _verify_chains(batch, trees, output, chains, starts, results)
+        _verify_chains(batch, trees, logits, output.num_rows, chains, starts, results)
     if branching:
-        _verify_trees(batch, trees, output, branching, starts, results)
+        _verify_trees(batch, trees, logits, output.num_rows, branching, starts, results)
     for i in active:
         _record(batch[i], output, starts[i], results[i])
     return results
@@ -58,26 +60,28 @@ def _sampling(batch: list[ScheduledRequest], rows: list[int]) -> SamplingTensors
     return SamplingTensors.from_params([r.sampling_params for r in requests], [r.generator for r in requests])
 
 
-def _gather_rows(output: ForwardOutput, rows: list[int], starts: list[int]) -> torch.Tensor:
-    index = [r for i in rows for r in range(starts[i], starts[i] + output.num_rows[i])]
-    if len(index) == output.logits.shape[0]:
-        return output.logits
-    return output.logits[torch.tensor(index)]
+def _gather_rows(logits: torch.Tensor, num_rows: list[int], rows: list[int],
+                 starts: list[int]) -> torch.Tensor:  # [R, V] -> the given requests' rows
+    index = [r for i in rows for r in range(starts[i], starts[i] + num_rows[i])]
+    if len(index) == logits.shape[0]:
+        return logits
+    return logits[torch.tensor(index)]
 
 
-def _verify_chains(batch: list[ScheduledRequest], trees: list[DraftTree], output: ForwardOutput,
+def _verify_chains(batch: list[ScheduledRequest], trees: list[DraftTree], logits: torch.Tensor, num_rows: list[int],
                    rows: list[int], starts: list[int], results: list[Verified]) -> None:
     drafts = [trees[i].token_ids[1:] for i in rows]
-    probs = _stack_draft_probs(drafts, [_chain_probs(trees[i]) for i in rows], output.logits.shape[1])
-    sampled = rejection_sample(_gather_rows(output, rows, starts), drafts, probs, _sampling(batch, rows))
+    probs = _stack_draft_probs(drafts, [_chain_probs(trees[i]) for i in rows], logits.shape[1])
+    sampled = rejection_sample(_gather_rows(logits, num_rows, rows, starts), drafts, probs, _sampling(batch, rows))
     for i, tokens in zip(rows, sampled):
         results[i].tokens = tokens
         results[i].accepted_nodes = list(range(1, len(tokens)))
 
 
-def _verify_trees(batch: list[ScheduledRequest], trees: list[DraftTree], output: ForwardOutput,
+def _verify_trees(batch: list[ScheduledRequest], trees: list[DraftTree], logits: torch.Tensor, num_rows: list[int],
                   rows: list[int], starts: list[int], results: list[Verified]) -> None:
-    verified = tree_verify(_gather_rows(output, rows, starts), [trees[i] for i in rows], _sampling(batch, rows))
+    verified = tree_verify(_gather_rows(logits, num_rows, rows, starts), [trees[i] for i in rows],
+                           _sampling(batch, rows))
     for i, result in zip(rows, verified):
         results[i].tokens = result.tokens
         results[i].accepted_nodes = result.accepted_nodes
@@ -109,6 +113,6 @@ def _record(item: ScheduledRequest, output: ForwardOutput, start: int, result: V
     rows = [start, *(start + node for node in result.accepted_nodes)]
     result.hidden = output.hidden[rows[-1]]
     num_top = item.request.sampling_params.logprobs
-    if num_top is not None:
+    if num_top is not None:  # from the raw logits, before any transform (as vLLM's default)
         logits = output.logits[torch.tensor(rows)]
         item.request.output_logprobs.extend(top_logprobs(logits, torch.tensor(result.tokens), num_top))

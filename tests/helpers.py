@@ -4,9 +4,14 @@ batches (kernels), whole-engine runs (engine), real HTTP servers over a tiny che
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -168,10 +173,16 @@ def start_server(model_dir: Path, name: str, api_key: str | None, **engine_args:
     llm = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=NUM_BLOCKS * block, **engine_args)
     async_engine = AsyncEngine(llm.engine)
     app = build_app(async_engine, name, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    url, thread = run_in_thread(server)
+    return RunningServer(url, name, api_key, async_engine, llm.engine.tokenizer, server, thread)
+
+
+def run_in_thread(server: uvicorn.Server) -> tuple[str, threading.Thread]:
+    """Start `server` on a free 127.0.0.1 port in a daemon thread; its URL and the thread."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -179,8 +190,7 @@ def start_server(model_dir: Path, name: str, api_key: str | None, **engine_args:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
-    return RunningServer(f"http://127.0.0.1:{port}", name, api_key, async_engine, llm.engine.tokenizer, server,
-                         thread)
+    return f"http://127.0.0.1:{port}", thread
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> bool:
@@ -208,6 +218,119 @@ def sse_events(lines: Iterator[str]) -> list[Any]:
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     assert events and events[-1] == "[DONE]", events[-3:]
     return events[:-1]
+
+
+# ---- `specdec serve` subprocesses and concurrent streams for tests/server --------------------
+
+
+@dataclass
+class ServeProcess:
+    """`specdec serve` in a child process on 127.0.0.1, its output in a log file (a pipe
+    nobody reads could fill up and stall the server)."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_serve_process(model_dir: Path, log: Path, *flags: str, timeout: float = 90.0) -> ServeProcess:
+    """`specdec serve MODEL_DIR --served-model-name tiny *flags`, healthy, or an AssertionError
+    carrying its output."""
+    port = free_port()
+    command = [sys.executable, "-m", "specdec.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port",
+               str(port), "--served-model-name", "tiny", *flags]
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    running = ServeProcess(proc, f"http://127.0.0.1:{port}", log)
+    if not wait_until(lambda: _healthy(running), timeout=timeout, interval=0.1):
+        running.kill()
+        raise AssertionError(f"`specdec serve` did not become healthy:\n{running.output()}")
+    return running
+
+
+def _healthy(running: ServeProcess) -> bool:
+    if running.proc.poll() is not None:
+        raise AssertionError(f"`specdec serve` exited early:\n{running.output()}")
+    try:
+        return httpx.get(f"{running.url}/health", timeout=1.0).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+class StreamReader(threading.Thread):
+    """One streaming POST read to its end in a thread: the status, the non-empty lines, and
+    `flowing` set once the first data line (or the end) has come."""
+
+    def __init__(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body, self.headers = url, body, headers or {}
+        self.status: int | None = None
+        self.lines: list[str] = []
+        self.error: BaseException | None = None
+        self.flowing = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, json=self.body, headers=self.headers, timeout=60.0) as response:
+                self.status = response.status_code
+                for line in response.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self.flowing.set()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test, which reports it
+            self.error = exc
+        finally:
+            self.flowing.set()
+
+    def events(self) -> list[Any]:
+        """The parsed events before [DONE] (sse_events asserts the [DONE])."""
+        assert self.error is None, repr(self.error)
+        return sse_events(iter(self.lines))
+
+
+def start_streams(url: str, body: dict[str, Any], count: int,
+                  headers: dict[str, str] | None = None) -> list[StreamReader]:
+    readers = [StreamReader(url, body, headers) for _ in range(count)]
+    for reader in readers:
+        reader.start()
+    return readers
+
+
+def serve_in_thread(model_dir: Path, *flags: str) -> RunningServer:
+    """The server `specdec serve MODEL_DIR *flags` builds (app.make_server: its flags, its
+    uvicorn settings, its drain), in a thread. Not being the main thread, it installs no
+    signal handlers: a test calls `running.server.handle_exit(...)` as a signal would."""
+    from specdec.cli import build_parser
+    from specdec.engine_args import engine_kwargs
+    from specdec.llm import LLM
+    from specdec.server.admission import resolve_api_key
+    from specdec.server.app import make_server
+    from specdec.server.async_engine import AsyncEngine
+
+    kv_bytes = NUM_BLOCKS * 2 * 2 * 16 * 2 * 16 * 2  # as start_server's
+    args = build_parser().parse_args(["serve", str(model_dir), "--served-model-name", "tiny", "--max-model-len",
+                                      str(MAX_MODEL_LEN), "--kv-cache-memory", str(kv_bytes), *flags])
+    api_key = resolve_api_key(args.api_key, None)
+    llm = LLM(args.model, **engine_kwargs(args))
+    async_engine = AsyncEngine(llm.engine)
+    server = make_server(args, async_engine, api_key)
+    url, thread = run_in_thread(server)
+    return RunningServer(url, "tiny", api_key, async_engine, llm.engine.tokenizer, server, thread)
 
 
 # ---- attention batches for tests/kernels -----------------------------------------------------
@@ -305,3 +428,27 @@ def store(backend: AttentionBackend[Any], key: Tensor, value: Tensor, kv: PagedK
           meta: AttentionMetadata) -> None:  # key, value: [T, Hkv, D]
     """One layer's K/V store through `backend` at meta's slots."""
     backend.store_kv(key, value, kv, backend.plan(meta, kv))
+
+
+# ---- request limits and error logs for tests/server ------------------------------------------
+
+
+def app_state(running: RunningServer) -> Any:
+    """The ServerState of a test server's app: its limits and its tokenizer thread."""
+    return running.server.config.app.state.server
+
+
+@contextlib.contextmanager
+def logged_errors() -> Iterator[list[logging.LogRecord]]:
+    """Records at ERROR or with a traceback, from the root logger and uvicorn's, meanwhile."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r) if r.levelno >= logging.ERROR or r.exc_info else None  # type: ignore[method-assign]
+    loggers = [logging.getLogger(), logging.getLogger("uvicorn.error")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)

@@ -9,6 +9,7 @@ import pytest
 
 from specdec.block_manager import BlockManager
 from specdec.config import EngineConfig
+from specdec.pacing import MIN_CHUNK, PrefillPacer
 from specdec.request import Request, RequestStatus
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest, Scheduler
@@ -152,3 +153,35 @@ def test_finish_frees_every_block() -> None:
     run(scheduler.schedule())
     scheduler.finish(request)
     assert blocks.num_free_blocks == 16 and not scheduler.has_unfinished()
+
+
+def test_prefill_is_paced_only_while_others_decode() -> None:
+    pacer = PrefillPacer(target_seconds=0.1, max_tokens=64)
+    pacer.seconds_per_token = 0.005  # measured: 20 prefill tokens fit in 100 ms
+    scheduler = make_scheduler(budget=64, policy=None)
+    scheduler.pacer = pacer
+    first = make_request("first", 40)
+    scheduler.add(first)
+    assert [i.num_new_tokens for i in scheduler.schedule()] == [40]  # alone: the whole prompt
+    run([ScheduledRequest(first, 40)])
+    scheduler.add(make_request("long", 100))
+    items = scheduler.schedule()
+    # first decodes, so long's chunk is cut to what fits the step's time target.
+    assert [(i.request.request_id, i.num_new_tokens) for i in items] == [("first", 1), ("long", 20)]
+
+
+def test_pacer_settles_where_the_step_meets_its_target() -> None:
+    """Step = 30 ms of decode + 1 ms per prefill token, target 130 ms: 100 tokens a step."""
+    pacer = PrefillPacer(target_seconds=0.13, max_tokens=2048)
+    for _ in range(60):
+        chunk = pacer.limit(others_decoding=True)
+        pacer.observe(chunk, 0.030 + 0.001 * chunk)
+    assert abs(pacer.limit(others_decoding=True) - 100) <= 2
+    assert pacer.limit(others_decoding=False) == 2048
+    assert PrefillPacer(0.0, 2048).limit(others_decoding=True) == 2048  # pacing off
+
+
+def test_a_slow_machine_still_advances_a_long_prompt() -> None:
+    pacer = PrefillPacer(target_seconds=0.01, max_tokens=2048)
+    pacer.observe(100, 100.0)  # one second per token
+    assert pacer.limit(others_decoding=True) == MIN_CHUNK

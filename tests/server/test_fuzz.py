@@ -37,7 +37,7 @@ OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/mode
 def api_schema(server: RunningServer) -> Any:
     # schemathesis' lazy pytest loader (from_fixture) breaks on pytest 9 (it sets the
     # private Node._nodeid), so cases come from its documented hypothesis strategies.
-    schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json", timeout=10)
+    schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json", headers=AUTH, timeout=10)
     schema.config.update(base_url=server.base_url, headers=AUTH, request_timeout=60)
     return schema
 

@@ -1,0 +1,91 @@
+"""Per-request logits transforms applied before sampling and verification: logit_bias,
+allowed_token_ids, bad_words, min_tokens (EOS and stop ids masked), and the repetition,
+presence and frequency penalties (vLLM's semantics).
+
+Every verified row gets exactly the transform plain decoding would give that position:
+row u of a request's draft tree predicts the token after node u, so its history is the
+request's output so far plus the drafts on the path from the root to u (the root itself
+is the last committed token, already in the output, or the prompt's last token). Greedy
+argmax and rejection sampling then both read the transformed logits, so speculation stays
+lossless under these settings.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from specdec.request import Request
+from specdec.sampling_params import SamplingParams
+from specdec.tree import DraftTree
+
+
+def needs_processing(params: SamplingParams) -> bool:
+    return bool(params.logit_bias or params.allowed_token_ids is not None or params.bad_words_token_ids
+                or params.min_tokens or params.repetition_penalty != 1.0 or params.presence_penalty
+                or params.frequency_penalty)
+
+
+def process_logits(
+    logits: Tensor,  # [R, V]: per request with rows, one row per tree node, in batch order
+    requests: Sequence[Request],  # [B]
+    trees: Sequence[DraftTree],  # [B]
+    num_rows: Sequence[int],  # [B] rows per request (0 or the tree's node count)
+) -> Tensor:  # [R, V] float32, a new tensor where any row changed
+    """The logits every row samples from, after its request's transforms."""
+    start, out = 0, logits
+    for request, tree, rows in zip(requests, trees, num_rows, strict=True):
+        if rows and needs_processing(request.sampling_params):
+            if out is logits:
+                out = logits.float().clone()
+            for node in range(rows):
+                _process_row(out[start + node], request, _history(request, tree, node))  # [V] in place
+        start += rows
+    return out
+
+
+def _history(request: Request, tree: DraftTree, node: int) -> list[int]:
+    """Output tokens before the token row `node` predicts: committed ones, then the drafts
+    on the path to the node (the root excluded)."""
+    path = tree.path_to(node)[1:]
+    return request.output_token_ids + [tree.token_ids[n] for n in path]
+
+
+def _process_row(row: Tensor, request: Request, history: list[int]) -> None:  # row [V], in place
+    params = request.sampling_params
+    vocab = row.shape[0]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.prompt_token_ids) | set(history)), dtype=torch.long)
+        seen = seen[seen < vocab]
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if history and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(history, dtype=torch.long), minlength=vocab)[:vocab].float()  # [V]
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype)
+    banned = _banned(request, history)
+    if banned:
+        row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[torch.tensor(params.allowed_token_ids, dtype=torch.long)] = True
+        row.masked_fill_(~keep, float("-inf"))
+
+
+def _banned(request: Request, history: list[int]) -> list[int]:
+    """Tokens this position may not take: EOS and stop ids before min_tokens, and the last
+    token of every bad word whose other tokens end the history."""
+    params = request.sampling_params
+    banned: list[int] = []
+    if len(history) < params.min_tokens:
+        banned += list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            banned += list(request.eos_token_ids)
+    for word in params.bad_words_token_ids:
+        prefix = word[:-1]
+        if not prefix or history[-len(prefix):] == prefix:
+            banned.append(word[-1])
+    return banned
