@@ -313,18 +313,18 @@ def summarize(run: Run, args: argparse.Namespace) -> dict[str, Any]:
         "preemptions": run.preemptions, "spec_decode": run.spec_decode, "kv_after": run.gauges,
         "error_samples": [f"{n}x {e}" for e, n in Counter(o.error for o in failed).most_common(5)],
         "finish_reason_problems": [f"{o.plan.route}: {p}" for o, p in problems[:5]],
-        "timeline": timeline(run, args.duration / args.windows),
+        "timeline": timeline(run, args.duration / args.windows, args.windows),
     }
     summary["checks"] = checks(run, summary, args)
     summary["ok"] = all(c["ok"] for c in summary["checks"].values())
     return summary
 
 
-def timeline(run: Run, window: float) -> list[dict[str, Any]]:
+def timeline(run: Run, window: float, count: int) -> list[dict[str, Any]]:
     """Per window of the load: requests started, their p99 latency and TTFT, peak RSS (a
     soak shows drift here: latency or memory that climbs window after window)."""
     rows = []
-    for k in range(max(1, round(run.elapsed / window))):
+    for k in range(count):
         lo, hi = k * window, (k + 1) * window
         done = [o for o in run.outcomes if lo <= o.started_at < hi and not o.error and not o.cancelled]
         rss = [mib for t, mib in run.rss if lo <= t < hi]
