@@ -13,8 +13,10 @@ target model). With temperature 0 both give the same tokens; with speculation th
 usually arrive sooner, several per step. It is a no-op on a server started without a
 `--speculative-config`.
 
-Unknown fields are ignored, as OpenAI's own server does for fields it does not know. Known
-fields are strict: `true` or `1.5` where an integer is expected is a 400 naming the field.
+Every field is either honoured or refused: an unknown field (a typo such as `temprature`,
+or a feature not built yet such as `response_format` or `tools`) is a 400 that names it,
+never silently ignored. `user` (OpenAI's end-user id) is accepted and unused, as in vLLM.
+Known fields are strict: `true` or `1.5` where an integer is expected is a 400 naming the field.
 
 `parse_body` reads at most `max_bytes` of a body and refuses JSON nested deeper than
 `max_depth` or holding lone UTF-16 surrogates (`"\\ud800"`) before validating it. Validators
@@ -62,7 +64,7 @@ def _context(info: ValidationInfo) -> BodyContext | None:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
@@ -161,6 +163,7 @@ class _Sampling(_Body):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     speculative: bool = True  # False: plain decoding for this request
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
 
     _check_stop = field_validator("stop", mode="before")(check_stop)
 
@@ -350,6 +353,8 @@ def _location(loc: tuple[int | str, ...]) -> str:
 
 
 def _message(error: ErrorDetails) -> str:
+    if error.get("type") == "extra_forbidden":
+        return "unknown field: this server does not support it (see the API docs for the fields it takes)"
     msg = str(error.get("msg", "invalid value"))
     for prefix in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(prefix)

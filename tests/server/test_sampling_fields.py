@@ -70,3 +70,24 @@ def test_bad_values_are_refused_by_name(server: RunningServer, body: dict[str, A
 def test_seed_minus_one_samples(server: RunningServer) -> None:
     reply = oai(server).completions.create(model=server.model, prompt="hi", max_tokens=4, seed=-1)
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {"prompt": "hi", "temprature": 0}, "temprature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+    ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "object"}}, "guided_json"),
+])
+def test_an_unknown_field_is_a_400_naming_it(server: RunningServer, path: str, body: dict[str, Any],
+                                              field: str) -> None:
+    with server.client() as client:
+        response = client.post(path, json={"model": server.model, "max_tokens": 2, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and "unknown field" in error["message"]
+
+
+def test_the_user_field_is_accepted(server: RunningServer) -> None:
+    reply = oai(server).completions.create(model=server.model, prompt="hi", max_tokens=2, user="someone")
+    assert reply.choices[0].finish_reason in ("length", "stop")
