@@ -54,7 +54,7 @@ class LLMEngine:
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         self.policy: SpeculationPolicy = _build_adaptive(self) if spec and spec.adaptive else FixedSpeculation()
-        self.pacer = PrefillPacer(config.prefill_step_target_ms / 1000, config.max_num_batched_tokens)
+        self.pacer = PrefillPacer.from_config(config)
         self.scheduler = Scheduler(config, self.block_manager, self.policy, self.pacer)
         self.drafter: Drafter | None = build_drafter(self._drafter_context()) if spec else None
         self.metrics = EngineMetrics(self.num_speculative_tokens)

@@ -10,6 +10,8 @@ feeding it back, the chunk settles where D + c * t equals the target, the step t
 """
 from __future__ import annotations
 
+from specdec.config import EngineConfig
+
 FIRST_GUESS_SECONDS_PER_TOKEN = 2e-3  # until a step is measured (a 135M model on 2 cores: ~1-4 ms)
 SMOOTHING = 0.3  # weight of the newest measurement; prefill cost grows with context, so track it
 MIN_CHUNK = 16  # a long prompt always advances, however slow the machine
@@ -17,6 +19,10 @@ MIN_CHUNK = 16  # a long prompt always advances, however slow the machine
 
 class PrefillPacer:
     """Sizes prefill chunks from the measured cost of prefill tokens."""
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> PrefillPacer:
+        return cls(config.prefill_step_target_ms / 1000, config.max_num_batched_tokens)
 
     def __init__(self, target_seconds: float, max_tokens: int) -> None:
         self.target_seconds = target_seconds  # 0: no pacing

@@ -56,7 +56,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.spec: SpeculativeConfig | None = config.speculative_config
         self.policy = policy or FixedSpeculation()
-        self.pacer = pacer or PrefillPacer(config.prefill_step_target_ms / 1000, config.max_num_batched_tokens)
+        self.pacer = pacer or PrefillPacer.from_config(config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

@@ -202,6 +202,18 @@ def wait_until(condition: Callable[[], Any], timeout: float = 10.0, interval: fl
     return bool(condition())
 
 
+def slow_engine_steps(running: RunningServer, monkeypatch: Any, seconds: float = 0.01) -> None:
+    """Make each engine step of the server take at least `seconds`, so requests stay in
+    flight long enough for a test to act on them (monkeypatch: pytest's fixture)."""
+    step = running.engine.step
+
+    def slow_step() -> Any:
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(running.engine, "step", slow_step)
+
+
 def all_blocks_free(running: RunningServer) -> bool:
     bm = running.engine.block_manager
     return bool(bm.num_free_blocks == bm.num_blocks)

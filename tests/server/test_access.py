@@ -21,7 +21,7 @@ from specdec.cli import build_parser
 from specdec.server.admission import resolve_api_key
 from specdec.server.app import uvicorn_config
 from specdec.server.connections import GuardedH11Protocol
-from tests.helpers import RunningServer, all_blocks_free, serve_in_thread, start_streams, wait_until
+from tests.helpers import RunningServer, all_blocks_free, serve_in_thread, slow_engine_steps, start_streams, wait_until
 
 DOCS = ["/docs", "/redoc", "/openapi.json"]
 NON_ASCII_KEY = "clé-ключ-鍵"
@@ -111,13 +111,7 @@ def limited(tiny_model_dir: Any) -> Iterator[RunningServer]:
 @pytest.fixture()
 def slow_limited(limited: RunningServer, monkeypatch: pytest.MonkeyPatch) -> RunningServer:
     """Each engine step takes >= 10 ms: a 100-token stream stays in flight for a second."""
-    step = limited.engine.step
-
-    def slow_step() -> Any:
-        time.sleep(0.01)
-        return step()
-
-    monkeypatch.setattr(limited.engine, "step", slow_step)
+    slow_engine_steps(limited, monkeypatch)
     return limited
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import RunningServer, all_blocks_free, sse_events, wait_until
+from tests.helpers import RunningServer, all_blocks_free, slow_engine_steps, sse_events, wait_until
 
 MAX_TOKENS = 100
 LONG: dict[str, Any] = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": MAX_TOKENS, "ignore_eos": True,
@@ -34,13 +34,7 @@ METRIC_NAMES = [
 def slow_engine(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> RunningServer:
     """Each engine step takes >= 10 ms, so a 100-token request cannot finish by itself
     before the test has disconnected."""
-    step = server.engine.step
-
-    def slow_step() -> Any:
-        time.sleep(0.01)
-        return step()
-
-    monkeypatch.setattr(server.engine, "step", slow_step)
+    slow_engine_steps(server, monkeypatch)
     return server
 
 

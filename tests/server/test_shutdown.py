@@ -20,6 +20,7 @@ from tests.helpers import (
     StreamReader,
     all_blocks_free,
     serve_in_thread,
+    slow_engine_steps,
     start_serve_process,
     start_streams,
     wait_until,
@@ -111,13 +112,7 @@ def draining(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     """A server from the serve flags with a 0.5 s shutdown timeout, whose engine steps take
     >= 10 ms, so 100-token requests are still running at the deadline."""
     running = serve_in_thread(tiny_model_dir, "--shutdown-timeout", "0.5")
-    step = running.engine.step
-
-    def slow_step() -> Any:
-        time.sleep(0.01)
-        return step()
-
-    monkeypatch.setattr(running.engine, "step", slow_step)
+    slow_engine_steps(running, monkeypatch)
     yield running
     running.stop()
 
