@@ -274,7 +274,7 @@ def _build_adaptive(engine: LLMEngine) -> AdaptiveSpeculation:
 def _step_report(batch: list[ScheduledRequest], trees: list[DraftTree], draft_seconds: float,
                  forward_seconds: float) -> StepReport:
     return StepReport(
-        num_query_tokens=sum(item.num_new_tokens - 1 + tree.num_nodes for item, tree in zip(batch, trees)),
+        num_query_tokens=sum(item.num_query_tokens(tree) for item, tree in zip(batch, trees)),
         decode_only=all(item.num_new_tokens == 1 for item in batch),
         max_draft_depth=max(item.max_depth for item in batch),
         draft_seconds=draft_seconds, forward_seconds=forward_seconds)

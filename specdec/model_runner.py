@@ -68,7 +68,7 @@ class ModelRunner:
             known = req.all_token_ids[start : start + item.num_new_tokens - 1]  # before the root
             root = start + len(known)
             n_rows = tree.num_nodes if item.completes_prompt else 0
-            query_len = len(known) + tree.num_nodes
+            query_len = item.num_query_tokens(tree)
             rows.extend(range(len(tokens) + query_len - n_rows, len(tokens) + query_len))
             num_rows.append(n_rows)
             tokens.extend(known + tree.token_ids)
@@ -85,7 +85,7 @@ class ModelRunner:
 
     def _metadata(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree],
                   slots: list[int]) -> AttentionMetadata:
-        query_lens = [item.num_new_tokens - 1 + tree.num_nodes for item, tree in zip(batch, trees)]
+        query_lens = [item.num_query_tokens(tree) for item, tree in zip(batch, trees)]
         seq_lens = [item.request.num_computed_tokens + n for item, n in zip(batch, query_lens)]
         max_blocks = max(len(item.request.block_table) for item in batch)
         tables = [item.request.block_table + [0] * (max_blocks - len(item.request.block_table)) for item in batch]
@@ -113,7 +113,7 @@ def _tree_mask(batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree],
     masks = []
     for item, tree in zip(batch, trees):
         known = item.num_new_tokens - 1
-        n = known + tree.num_nodes
+        n = item.num_query_tokens(tree)
         mask = torch.zeros(n, max_query_len, dtype=torch.bool)
         mask[:, :n] = torch.ones(n, n, dtype=torch.bool).tril()
         mask[known:n, known:n] = tree.attention_mask()

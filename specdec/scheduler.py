@@ -24,6 +24,7 @@ from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.pacing import PrefillPacer
 from specdec.request import Request, RequestStatus
 from specdec.speculation import DraftLimit, FixedSpeculation, SpeculationPolicy
+from specdec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class ScheduledRequest:
     num_new_tokens: int  # known tokens to run (prefill chunk or the last sampled token)
     num_draft_tokens: int = 0  # draft tree nodes beyond the root, KV slots reserved for them
     max_depth: int = 0  # the longest draft path that can still be committed this step
+
+    def num_query_tokens(self, tree: DraftTree) -> int:
+        """Rows this request adds to the forward: its known tokens before the root, then the tree."""
+        return self.num_new_tokens - 1 + tree.num_nodes
 
     @property
     def root_token(self) -> int:
