@@ -1,20 +1,23 @@
 """The OpenAI-compatible HTTP server: the app factory, auth, the small routes, and `serve`.
 
 Routes: POST /v1/completions (completions.py), POST /v1/chat/completions (chat.py),
-GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize. Errors are
-OpenAI error objects `{"error": {"message", "type", "param", "code"}}` (errors.py). When an
-api key is set, every route but /health and /metrics needs `Authorization: Bearer <key>`,
-the docs (/docs, /redoc, /openapi.json) too unless `docs_without_auth`. Admission
-(admission.py) refuses new requests while shutting down and caps each key's requests in
-flight; `_Server` drains on SIGTERM/SIGINT.
+GET /v1/models, GET /v1/models/{model_id}, GET /health, GET /version, GET /metrics,
+POST /tokenize, POST /detokenize. Errors are OpenAI error objects
+`{"error": {"message", "type", "param", "code"}}` (errors.py). When an api key is set, every
+route but /health, /version and /metrics needs `Authorization: Bearer <key>`, the docs
+(/docs, /redoc, /openapi.json) too unless `docs_without_auth`. Admission (admission.py)
+refuses new requests while shutting down and caps each key's requests in flight; `_Server`
+drains on SIGTERM/SIGINT. `serve` warms the engine up before the port opens.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import copy
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from types import FrameType
@@ -33,6 +36,7 @@ from specdec.server.async_engine import AsyncEngine
 from specdec.server.chat import chat_prompt, create_chat_completion
 from specdec.server.completions import create_completion
 from specdec.server.connections import guarded_protocol
+from specdec.server.cors import CorsPolicy, add_cors, cors_policy
 from specdec.server.errors import APIError, error_response, install_error_handlers
 from specdec.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdec.server.protocol import (
@@ -41,7 +45,17 @@ from specdec.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from specdec.server.state import ServerLimits, ServerState, server_limits, server_state
+from specdec.server.state import (
+    ServerLimits,
+    ServerOptions,
+    ServerState,
+    server_limits,
+    server_options,
+    server_state,
+)
+from specdec.server.stats_log import StatsLogger, startup_summary
+from specdec.server.tool_parsers import ToolCallSettings, tool_call_settings
+from specdec.version import specdec_version
 
 logger = logging.getLogger(__name__)
 # After the shutdown deadline has aborted what was still running: time for those error
@@ -67,10 +81,26 @@ async def authorize(request: Request) -> None:
 
 
 async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(server_state(request))]})
+
+
+async def retrieve_model(request: Request, model_id: str) -> Response:
+    """The served model's object, as in the list; 404 `model_not_found` for any other id
+    (an id may hold slashes, as `org/name` does)."""
     state = server_state(request)
-    model = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specdec",
-             "root": state.model_name, "max_model_len": state.max_model_len}
-    return JSONResponse({"object": "list", "data": [model]})
+    state.check_model(model_id)
+    return JSONResponse(_model_card(state))
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specdec",
+            "root": state.model_name, "max_model_len": state.max_model_len}
+
+
+async def version(request: Request) -> Response:
+    """specdec's version. Open like /health (no key needed), as vLLM's /version is: the
+    version of a public package tells nothing a key protects."""
+    return JSONResponse({"version": specdec_version()})
 
 
 async def health(request: Request) -> Response:
@@ -127,15 +157,25 @@ async def redoc_docs(request: Request) -> Response:
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
               docs_without_auth: bool = False, max_requests_per_key: int | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, options: ServerOptions | None = None,
+              cors: CorsPolicy | None = None, tool_calls: ToolCallSettings | None = None) -> FastAPI:
     """The app; `max_requests_per_key` caps each key's (or address's) generation requests in
-    flight (None: no cap). `app.state.admission` is what `_Server` closes on a signal."""
+    flight (None: no cap); `cors` None: no CORS headers. `app.state.admission` is what
+    `_Server` closes on a signal."""
     engine: Any = async_engine.engine
     num_spec = int(getattr(engine, "num_speculative_tokens", 0) or 0)
+    options = options or ServerOptions()
+    async_engine.log_requests = options.log_requests
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        stats = None
+        if options.stats_interval > 0:
+            stats_logger = StatsLogger(lambda: async_engine.stats, options.stats_interval, speculative=num_spec > 0)
+            stats = asyncio.create_task(stats_logger.run(), name="specdec-stats-log")
         yield
+        if stats is not None:
+            stats.cancel()
         await async_engine.shutdown(drain=False, timeout=ENGINE_STOP_SECONDS)
 
     # FastAPI's own docs routes take no dependencies: _router adds them, behind the key
@@ -144,10 +184,13 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     app.state.server = ServerState(
         engine=async_engine, model_name=served_model_name, api_key=api_key, tokenizer=_server_tokenizer(engine),
         max_model_len=int(engine.max_model_len), vocab_size=int(engine.model_config.vocab_size),
-        metrics=ServerMetrics(num_spec), limits=limits or ServerLimits(),
+        metrics=ServerMetrics(num_spec, served_model_name, int(engine.max_model_len)),
+        limits=limits or ServerLimits(), options=options, tool_calls=tool_calls or ToolCallSettings(),
     )
     app.state.admission = Admission(api_key, max_requests_per_key, on_reject=app.state.server.metrics.reject)
     app.add_middleware(AdmissionMiddleware, admission=app.state.admission)
+    if cors is not None:
+        add_cors(app, cors)
     app.include_router(_router(api_key, docs_without_auth))
     app.openapi = _openapi(app, api_key)  # type: ignore[method-assign]
     install_error_handlers(app)
@@ -175,9 +218,11 @@ def _router(api_key: str | None, docs_without_auth: bool) -> APIRouter:
         ("/v1/completions", create_completion, "POST", True, CompletionRequest),
         ("/v1/chat/completions", create_chat_completion, "POST", True, ChatCompletionRequest),
         ("/v1/models", list_models, "GET", True, None),
+        ("/v1/models/{model_id:path}", retrieve_model, "GET", True, None),
         ("/tokenize", tokenize, "POST", True, TokenizeRequest),
         ("/detokenize", detokenize, "POST", True, DetokenizeRequest),
         ("/health", health, "GET", False, None),
+        ("/version", version, "GET", False, None),
         ("/metrics", metrics, "GET", False, None),
     ]
     for path, endpoint, method, auth, body in routes:
@@ -268,7 +313,7 @@ class _Server(uvicorn.Server):
 
 def uvicorn_config(app: FastAPI, args: argparse.Namespace) -> uvicorn.Config:
     """The serve flags as uvicorn's settings (the connection limits included)."""
-    return uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                           http=guarded_protocol(args.timeout_header_read),
                           h11_max_incomplete_event_size=args.max_header_bytes,
                           timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
@@ -279,21 +324,39 @@ def make_server(args: argparse.Namespace, async_engine: AsyncEngine, api_key: st
     """The app and its uvicorn server for these serve flags."""
     name = args.served_model_name or args.model
     app = build_app(async_engine, name, api_key, docs_without_auth=args.docs_without_auth,
-                    max_requests_per_key=args.max_concurrent_requests_per_key, limits=server_limits(args))
+                    max_requests_per_key=args.max_concurrent_requests_per_key, limits=server_limits(args),
+                    options=server_options(args), cors=cors_policy(args), tool_calls=tool_call_settings(args))
     return _Server(uvicorn_config(app, args), async_engine, app.state.admission, args.shutdown_timeout)
 
 
 def serve(args: argparse.Namespace) -> None:
+    """Build and warm up the engine, then open the port: the first /health that answers
+    is 200 and the first request builds nothing. A start-up error is one line on stderr
+    and exit code 2 (the traceback too with --log-level debug)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("specdec").setLevel(args.log_level.upper())
+    try:
+        server = _start(args)
+    except Exception as exc:  # noqa: BLE001 - any start-up failure is reported as one line
+        if args.log_level == "debug":
+            raise
+        print(f"specdec serve: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    server.run()
+
+
+def _start(args: argparse.Namespace) -> _Server:
+    """The server of these flags over a warmed-up engine; server flags are checked first,
+    so a bad combination fails before the model loads."""
     from specdec.engine_args import engine_kwargs
     from specdec.llm import LLM
+    from specdec.warmup import warm_up
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        api_key = resolve_api_key(args.api_key, os.environ.get("SPECDEC_API_KEY"))
-    except ValueError as exc:
-        raise SystemExit(f"specdec serve: error: {exc}") from None
+    api_key = resolve_api_key(args.api_key, os.environ.get("SPECDEC_API_KEY"))
+    for check in (server_options, cors_policy, server_limits, tool_call_settings):
+        check(args)  # a ValueError names the flag
     llm = LLM(args.model, **engine_kwargs(args))
+    warm_up(llm.engine)
     server = make_server(args, AsyncEngine(llm.engine), api_key)
-    logger.info("serving %s (%s) on http://%s:%s", args.served_model_name or args.model, llm.model_dir, args.host,
-                args.port)
-    server.run()
+    logger.info("%s", startup_summary(llm.engine, args.served_model_name or args.model))
+    return server

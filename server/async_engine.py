@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.parallel_sampling import ParentRequest, Prompt
 from specdec.sampling_params import SamplingParams
+from specdec.server.request_log import RequestRecord
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,10 @@ class _Group:
     skips intermediate states instead of piling them up (memory stays O(1) per child).
     """
 
-    def __init__(self, parent: ParentRequest, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, parent: ParentRequest, loop: asyncio.AbstractEventLoop, record: RequestRecord | None) -> None:
         self.parent = parent
         self.loop = loop
+        self.record = record  # event loop side: the request's log lines (--enable-log-requests)
         self.updated = asyncio.Event()  # event loop side, as is the parent's per-child state
         self.unfinished: set[str] = set()  # engine thread side
 
@@ -71,6 +73,8 @@ class _Group:
 
     def _store(self, output: RequestOutput) -> None:
         self.parent.update(output)
+        if self.record is not None:
+            self.record.observe(output, self.parent)
         self.updated.set()
 
 
@@ -165,8 +169,13 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: EngineLike) -> None:
+    """`log_requests`: log a line when each request is admitted and when it finishes
+    (server/request_log.py); the server sets it from --enable-log-requests."""
+
+    def __init__(self, engine: EngineLike, log_requests: bool = False) -> None:
         self.engine = engine
+        self.log_requests = log_requests
+        self.can_speculate = int(getattr(engine, "num_speculative_tokens", 0) or 0) > 0
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._lock = threading.Lock()  # orders "submit" against "the loop has closed"
         self._closed = False
@@ -200,7 +209,8 @@ class AsyncEngine:
         """Add the request; raises ValueError for a bad prompt before any streaming starts."""
         self._check_accepting()
         loop = asyncio.get_running_loop()
-        group = _Group(ParentRequest(request_id, params), loop)
+        record = RequestRecord(request_id) if self.log_requests else None
+        group = _Group(ParentRequest(request_id, params), loop, record)
         future: asyncio.Future[None] = loop.create_future()
         self._submit(_Add(group, prompt, use_speculation, future))
         try:
@@ -208,6 +218,8 @@ class AsyncEngine:
         except asyncio.CancelledError:  # the caller went away: do not leave the request behind
             self.abort_nowait(request_id)
             raise
+        if record is not None:
+            record.admitted(prompt, params, use_speculation and self.can_speculate)
         return RequestStream(self, group)
 
     async def abort(self, request_id: str) -> None:

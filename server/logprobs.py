@@ -6,6 +6,8 @@ import math
 import re
 from typing import Any
 
+from specdec.outputs import Logprob, SampleLogprobs
+
 
 class TokenStrings:
     """Each token's text, logprobs name and bytes, worked out once per token id."""
@@ -35,7 +37,7 @@ class TokenStrings:
         return entry
 
 
-def completion_logprobs(tokens: TokenStrings, token_ids: list[int], logprobs: list[dict[int, float]],
+def completion_logprobs(tokens: TokenStrings, token_ids: list[int], logprobs: SampleLogprobs,
                         offset: int) -> dict[str, Any]:
     """Legacy completions shape; top_logprobs holds the top-k plus the sampled token."""
     offsets = []
@@ -44,21 +46,26 @@ def completion_logprobs(tokens: TokenStrings, token_ids: list[int], logprobs: li
         offset += len(tokens.text(token_id))
     return {
         "tokens": [tokens.name(t) for t in token_ids],
-        "token_logprobs": [_finite(lp.get(t, -math.inf)) for t, lp in zip(token_ids, logprobs)],
-        "top_logprobs": [{tokens.name(i): _finite(v) for i, v in lp.items()} for lp in logprobs],
+        "token_logprobs": [_finite(_value(lp, t)) for t, lp in zip(token_ids, logprobs)],
+        "top_logprobs": [{tokens.name(i): _finite(v.logprob) for i, v in lp.items()} for lp in logprobs],
         "text_offset": offsets,
     }
 
 
-def chat_logprobs(tokens: TokenStrings, token_ids: list[int], logprobs: list[dict[int, float]],
+def chat_logprobs(tokens: TokenStrings, token_ids: list[int], logprobs: SampleLogprobs,
                   num_top: int) -> dict[str, Any]:
     content = []
     for token_id, entry in zip(token_ids, logprobs):
-        item = _chat_token(tokens, token_id, entry.get(token_id, -math.inf))
-        top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
-        item["top_logprobs"] = [_chat_token(tokens, i, v) for i, v in top]
+        item = _chat_token(tokens, token_id, _value(entry, token_id))
+        top = sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)[:num_top]
+        item["top_logprobs"] = [_chat_token(tokens, i, v.logprob) for i, v in top]
         content.append(item)
     return {"content": content}
+
+
+def _value(entry: dict[int, Logprob], token_id: int) -> float:
+    found = entry.get(token_id)
+    return -math.inf if found is None else found.logprob
 
 
 def _chat_token(tokens: TokenStrings, token_id: int, logprob: float) -> dict[str, Any]:

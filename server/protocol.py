@@ -13,8 +13,12 @@ target model). With temperature 0 both give the same tokens; with speculation th
 usually arrive sooner, several per step. It is a no-op on a server started without a
 `--speculative-config`.
 
+Output constraints (`response_format`, `guided_*`, `structured_outputs`) are described in
+server/protocol_structured.py, chat's `tools`, `tool_choice` and `parallel_tool_calls` in
+server/protocol_tools.py.
+
 Every field is either honoured or refused: an unknown field (a typo such as `temprature`,
-or a feature not built yet such as `response_format` or `tools`) is a 400 that names it,
+or a feature not built, such as `guided_whitespace_pattern`) is a 400 that names it,
 never silently ignored. `user` (OpenAI's end-user id) is accepted and unused, as in vLLM.
 Known fields are strict: `true` or `1.5` where an integer is expected is a 400 naming the field.
 
@@ -31,7 +35,6 @@ from typing import Any, Literal, TypeVar
 from fastapi import Request
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -43,6 +46,9 @@ from pydantic_core import ErrorDetails
 from specdec.sampling_params import MAX_INT64, MAX_N, MAX_STOP_STRINGS, SamplingParams
 from specdec.server.errors import APIError
 from specdec.server.json_body import DEFAULT_MAX_JSON_DEPTH, load_json
+from specdec.server.protocol_base import StrictBody as _Body
+from specdec.server.protocol_structured import StructuredFields
+from specdec.server.protocol_tools import AssistantToolCall, ToolChoice, ToolDefinition, check_tool_choice, check_tools
 
 MAX_LOGPROBS = 20
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -61,10 +67,6 @@ class BodyContext:
 
 def _context(info: ValidationInfo) -> BodyContext | None:
     return info.context if isinstance(info.context, BodyContext) else None
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
@@ -137,8 +139,8 @@ def check_stop(value: Any) -> Any:
     return value
 
 
-class _Sampling(_Body):
-    """The fields every generation request shares."""
+class _Sampling(StructuredFields):
+    """The fields every generation request shares (the output constraints among them)."""
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = Field(default=None, ge=1)
@@ -196,6 +198,7 @@ class _Sampling(_Body):
             repetition_penalty=self.repetition_penalty, min_p=self.min_p,
             logit_bias=_token_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
@@ -273,8 +276,17 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls (its content may be null)
 
     _check_content = field_validator("content", mode="before")(check_content)
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed on assistant messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -283,12 +295,14 @@ class ChatMessage(_Body):
             return self.content
         return "\n".join(part.text for part in self.content)
 
-    def for_template(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.text()}
+    def for_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         return message
 
 
@@ -298,6 +312,18 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1)
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True  # False: at most one call
+
+    _check_tools = field_validator("tools")(check_tools)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if "tools" not in info.data:  # tools failed its own checks: that is the error to report
+            return value
+        return check_tool_choice(value, info.data["tools"])
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -305,7 +331,7 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:

@@ -26,6 +26,7 @@ from specdec.server.protocol import (
     parse_body,
 )
 from specdec.server.tokenizing import ServerTokenizer
+from specdec.server.tool_parsers import ToolCallSettings
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,27 @@ def server_limits(args: Any) -> ServerLimits:
     return ServerLimits(**{name: value for name, value in values.items() if value is not None})
 
 
+@dataclass(frozen=True)
+class ServerOptions:
+    """How the server reports and keeps streams open (`specdec serve --stats-interval` etc.)."""
+
+    stats_interval: float = 10.0  # seconds between stats log lines; 0: none
+    sse_keepalive: float = 10.0  # seconds a stream may stay silent before a `: keep-alive` comment; 0: none
+    log_requests: bool = False  # a log line when each request is admitted and when it finishes
+
+    def __post_init__(self) -> None:
+        for name in ("stats_interval", "sse_keepalive"):
+            value = getattr(self, name)
+            if not value >= 0:  # also refuses nan
+                raise ValueError(f"{name} must be 0 (off) or a positive number of seconds, got {value!r}")
+
+
+def server_options(args: Any) -> ServerOptions:
+    """ServerOptions from `specdec serve` flags."""
+    return ServerOptions(stats_interval=args.stats_interval, sse_keepalive=args.sse_keepalive,
+                         log_requests=args.enable_log_requests)
+
+
 @dataclass
 class ServerState:
     engine: AsyncEngine
@@ -61,6 +83,8 @@ class ServerState:
     vocab_size: int
     metrics: ServerMetrics
     limits: ServerLimits = field(default_factory=ServerLimits)
+    options: ServerOptions = field(default_factory=ServerOptions)
+    tool_calls: ToolCallSettings = field(default_factory=ToolCallSettings)  # --tool-call-parser etc.
     created: int = field(default_factory=lambda: int(time.time()))
     tokens: TokenStrings = field(init=False)  # per-token strings, on the event loop
     text: ServerTokenizer = field(init=False)  # everything larger, on its own thread

@@ -1,19 +1,21 @@
 """Server-sent events: cumulative engine outputs become per-choice deltas, a Streamer shapes
 them into chunks (completions.py and chat.py subclass it), and `streaming_response` sends
-them, an error event on failure and `[DONE]` at the end."""
+them, an error event on failure and `[DONE]` at the end, with an SSE comment whenever the
+stream has been silent for the server's keep-alive interval."""
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from specdec.outputs import CompletionOutput, RequestOutput
+from specdec.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from specdec.server.jobs import Job, abort_on_disconnect, failure, interleaved, usage
 from specdec.server.state import ServerState
 
@@ -23,7 +25,7 @@ class Delta:
     index: int  # the choice index in the response
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: SampleLogprobs | None
     finish_reason: str | None
     offset: int  # characters of this choice sent before this delta
     first: bool
@@ -114,7 +116,7 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload.translate(_LINE_BREAKS)}\n\n"
 
 
-async def _events(request: Request, job: Job, streamer: Streamer) -> AsyncIterator[str]:
+async def _events(request: Request, job: Job, streamer: Streamer) -> AsyncGenerator[str, None]:
     async with abort_on_disconnect(request, job), contextlib.aclosing(interleaved(job)) as outputs:
         for chunk in streamer.opening():
             yield sse(chunk)
@@ -131,6 +133,46 @@ async def _events(request: Request, job: Job, streamer: Streamer) -> AsyncIterat
         yield sse("[DONE]")
 
 
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see bytes flow
+
+
+async def with_keep_alive(events: AsyncGenerator[str, None], interval: float) -> AsyncGenerator[str, None]:
+    """`events` unchanged and in order, plus KEEP_ALIVE whenever none has come for
+    `interval` seconds (> 0): a request that waits in the queue or prefills a long
+    prompt sends nothing for a while, and proxies cut connections that stay silent. Each
+    event is awaited in a task of its own, which a comment never interrupts; when the
+    stream is closed or cancelled (the client left), that task is cancelled, which ends
+    `events` and so aborts the job."""
+    if not interval > 0:
+        raise ValueError(f"the keep-alive interval must be positive, got {interval}")
+    pending: asyncio.Task[str | None] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.create_task(_next_event(events))
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            event, pending = pending.result(), None
+            if event is None:
+                return
+            yield event
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+        else:
+            await events.aclose()
+
+
+async def _next_event(events: AsyncGenerator[str, None]) -> str | None:
+    return await anext(events, None)
+
+
 def streaming_response(request: Request, job: Job, streamer: Streamer) -> StreamingResponse:
-    return StreamingResponse(_events(request, job, streamer), media_type="text/event-stream",
+    events = _events(request, job, streamer)
+    interval = streamer.state.options.sse_keepalive
+    if interval > 0:
+        events = with_keep_alive(events, interval)
+    return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -24,6 +24,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
+        # Tokens looked up in the prefix cache, and found there (vLLM's prefix_cache_queries/hits).
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,6 +75,8 @@ class BlockManager:
             request.block_table.append(block_id)
         request.num_computed_tokens = len(request.block_table) * self.block_size
         request.num_cached_tokens = request.num_computed_tokens
+        self.num_prefix_queries += request.num_tokens
+        self.num_prefix_hits += request.num_cached_tokens
 
     def cache_blocks(self, request: Request) -> None:
         """Register hashes for full blocks whose tokens are all computed and committed."""
@@ -83,6 +88,15 @@ class BlockManager:
             if block.hash is None and block_hash not in self.cached:
                 block.hash = block_hash
                 self.cached[block_hash] = block.block_id
+
+    def forget_cached(self, keep: set[int]) -> None:
+        """Drop every prefix-cache entry whose hash is not in `keep` (vLLM's reset_prefix_cache,
+        partial); a freed block among them is reused first, as uncached blocks are."""
+        for block_hash in [h for h in self.cached if h not in keep]:
+            block = self.blocks[self.cached.pop(block_hash)]
+            block.hash = None
+            if block.ref_count == 0:
+                self.free_blocks.move_to_end(block.block_id, last=False)
 
     def _block_hash(self, request: Request, index: int) -> int:
         """Hash of block `index` chained with every block before it (memoised on the request)."""

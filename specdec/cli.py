@@ -13,6 +13,9 @@ from typing import Any
 
 from specdec.engine_args import HELP_FORMAT, add_engine_args, engine_kwargs
 from specdec.model_registry import KNOWN_MODELS, pull
+from specdec.version import specdec_version
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -114,6 +117,45 @@ def _add_access_args(serve: argparse.ArgumentParser) -> None:
                             "or at a second signal, they end with an error (streams: an error event and [DONE])")
 
 
+def _string_list(text: str) -> list[str]:
+    """A JSON list of strings (`'["https://a.example"]'`) or comma-separated values."""
+    try:
+        items = json.loads(text) if text.lstrip().startswith("[") else text.split(",")
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not a JSON list ({error}): {text}") from None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text}")
+    values = [item.strip() for item in items if item.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one value, got {text!r}")
+    return values
+
+
+def _add_ops_args(serve: argparse.ArgumentParser) -> None:
+    """Logging, stream keep-alive and CORS (server/stats_log.py, request_log.py, streaming.py, cors.py)."""
+    serve.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                       help="level of specdec's and uvicorn's loggers; debug also shows the traceback of a start-up "
+                            "error")
+    serve.add_argument("--stats-interval", type=_at_least(0.0, float), default=10.0, metavar="SECONDS",
+                       help="log throughput, queue, KV cache, prefix cache and draft acceptance every SECONDS while "
+                            "the engine is busy; 0 turns it off")
+    serve.add_argument("--enable-log-requests", action="store_true",
+                       help="log a line when each request is admitted (id, prompt tokens, sampling params, "
+                            "speculation) and when it finishes (finish reason, tokens, TTFT, e2e); never text")
+    serve.add_argument("--sse-keepalive", type=_at_least(0.0, float), default=10.0, metavar="SECONDS",
+                       help="send an SSE comment `: keep-alive` on a stream that has been silent this long (queued, "
+                            "or prefilling a long prompt), so proxies do not cut it; 0 turns it off")
+    serve.add_argument("--allowed-origins", type=_string_list, default=None, metavar="LIST",
+                       help="CORS: origins browsers may call from, a JSON list or comma-separated (e.g. '[\"*\"]'); "
+                            "unset, no CORS headers are sent")
+    serve.add_argument("--allowed-methods", type=_string_list, default=None, metavar="LIST",
+                       help="CORS: allowed methods (needs --allowed-origins); unset, all")
+    serve.add_argument("--allowed-headers", type=_string_list, default=None, metavar="LIST",
+                       help="CORS: allowed request headers (needs --allowed-origins); unset, all")
+    serve.add_argument("--allow-credentials", action="store_true",
+                       help="CORS: allow credentials (cookies, Authorization); needs --allowed-origins without \"*\"")
+
+
 def _add_limit_args(serve: argparse.ArgumentParser) -> None:
     """What one request may ask of the server (server/state.py ServerLimits; unset: its default)."""
     limit = _at_least(1)
@@ -129,8 +171,19 @@ def _add_limit_args(serve: argparse.ArgumentParser) -> None:
                        help="most prompt tokens in one request, all its prompts together (default 65536)")
 
 
+def _add_tool_args(serve: argparse.ArgumentParser) -> None:
+    """Tool calls in chat completions (server/tool_parsers.py; checked at start-up)."""
+    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="how tool calls are read out of the model's text: hermes (<tool_call>{...}</tool_call>, "
+                            "Qwen / Hermes / SmolLM2 style); needed for tool_choice \"auto\"")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let the model decide whether to call tools (tool_choice \"auto\", the default when a "
+                            "request has tools); needs --tool-call-parser")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec")
+    parser.add_argument("--version", action="version", version=f"specdec {specdec_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HELP_FORMAT)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -138,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model name clients use; when not given, MODEL")
     _add_access_args(serve)
     _add_limit_args(serve)
+    _add_ops_args(serve)
+    _add_tool_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
     gen = sub.add_parser("generate", help="one-off generation", formatter_class=HELP_FORMAT)

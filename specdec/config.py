@@ -129,6 +129,8 @@ class EngineConfig:
     seed: int = _option(0, "seed of torch's global random generator, which requests without a seed sample from")
     device: str = _option("auto", "auto | cpu | cuda: where the model runs (auto: cuda when a GPU is visible, "
                                   "else cpu)", choices=DEVICES)
+    chat_template: str | None = _option(None, "a Jinja chat template, or the path of a file holding one, used "
+                                              "instead of the model's own (chat requests and LLM.chat)")
 
     def __post_init__(self) -> None:
         """Bring raw values (CLI strings, JSON, `LLM` keywords) to the types the engine

@@ -33,6 +33,10 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def decode_token(self, token_id: int) -> str:
+        """One token's text on its own (a logprob's decoded_token, as vLLM's)."""
+        return str(self.tokenizer.decode([token_id]))
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(
             ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from specdec.adaptive import AdaptiveSpeculation, Stopwatch, calibrate
 from specdec.allocator import keep_freed_memory
 from specdec.block_manager import BlockManager
+from specdec.chat_utils import apply_template_override
 from specdec.config import EngineConfig
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.drafters.base import Drafter, DrafterContext, DraftRequest
@@ -27,6 +28,7 @@ from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest, Scheduler
 from specdec.speculation import FixedSpeculation, SpeculationPolicy, StepReport
+from specdec.structured_output import Grammar, GrammarCompiler
 from specdec.tree import DraftTree
 from specdec.verify import Verified, verify
 
@@ -39,6 +41,7 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        apply_template_override(self.tokenizer, config.chat_template)
         self.device = config.torch_device
         keep_freed_memory()
         self.model = load_model(self.model_dir, dtype=config.dtype, device=self.device,
@@ -58,6 +61,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.policy, self.pacer)
         self.drafter: Drafter | None = build_drafter(self._drafter_context()) if spec else None
         self.metrics = EngineMetrics(self.num_speculative_tokens)
+        self._grammar_compiler: GrammarCompiler | None = None  # built at the first structured request
 
     def _drafter_context(self) -> DrafterContext:
         assert self.config.speculative_config is not None
@@ -106,7 +110,7 @@ class LLMEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         request = Request(request_id, token_ids, params, detok, max_tokens, self.eos_token_ids,
-                          use_speculation and self.drafter is not None, prompt_text)
+                          use_speculation and self.drafter is not None, prompt_text, self._grammar(params))
         self.scheduler.add(request)
         self.metrics.num_prompt_tokens += len(token_ids)
         return request
@@ -133,6 +137,14 @@ class LLMEngine:
         if bad:
             raise ValueError(f"sampling params name token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         return params.tokenized(self.tokenizer)
+
+    def _grammar(self, params: SamplingParams) -> Grammar | None:
+        """The request's grammar state; ValueError for an invalid constraint."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._grammar_compiler.grammar(params.structured_outputs, self.eos_token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.find(request_id)
@@ -170,6 +182,9 @@ class LLMEngine:
         """Each request's draft tree; the root alone where nothing was granted or guessed."""
         trees = [DraftTree.chain([item.root_token]) for item in batch]
         wanted = [i for i, item in enumerate(batch) if item.num_draft_tokens > 0]
+        for i in wanted:
+            trees[i] = _forced_draft(batch[i])
+        wanted = [i for i in wanted if trees[i].num_drafts == 0]
         if not wanted or self.drafter is None:
             return trees
         requests = [DraftRequest(batch[i].request.request_id, batch[i].request.all_token_ids,
@@ -203,6 +218,8 @@ class LLMEngine:
         request.num_computed_tokens = root + 1 + num_accepted
         request.last_hidden = result.hidden
         kept = commit_tokens(request, result.tokens, self.max_model_len)
+        if request.grammar is not None:
+            request.grammar.advance(request.output_token_ids)
         if tree.num_drafts:
             self.metrics.observe_draft(tree.max_depth, min(num_accepted, kept))
             self.policy.observe_verify(request.request_id, tree.max_depth, num_accepted)
@@ -247,6 +264,8 @@ class LLMEngine:
             num_requests_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.block_manager.usage,
             num_free_blocks=self.block_manager.num_free_blocks,
+            prefix_cache_queries=self.block_manager.num_prefix_queries,
+            prefix_cache_hits=self.block_manager.num_prefix_hits,
             num_blocks=self.block_manager.num_blocks,
         )
         return stats
@@ -262,6 +281,14 @@ def _eos_token_ids(model_dir: Any, tokenizer: Any) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def _forced_draft(item: ScheduledRequest) -> DraftTree:
+    """The tokens the request's grammar forces next, as a chain the target verifies (they
+    cost one forward instead of one each); the root alone when nothing is forced."""
+    grammar = item.request.grammar
+    forced = grammar.forced_tokens() if grammar is not None else []
+    return DraftTree.chain([item.root_token, *forced]).prune(item.num_draft_tokens, item.max_depth)
 
 
 def _build_adaptive(engine: LLMEngine) -> AdaptiveSpeculation:

@@ -1,15 +1,20 @@
-"""The offline Python API, shaped like vLLM's `LLM`."""
+"""The offline Python API, shaped like vLLM's `LLM`, and the prompt forms it takes.
+
+A prompt is a string, a list of token ids, or one of vLLM's prompt dicts:
+`{"prompt": "text"}` or `{"prompt_token_ids": [1, 2, 3]}`.
+"""
 from __future__ import annotations
 
 import inspect
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from tqdm import tqdm
 
+from specdec.chat_utils import Conversation, render_chat
 from specdec.config import EngineConfig, engine_options
 from specdec.engine import LLMEngine
 from specdec.model_registry import DEFAULT_MODEL
@@ -18,14 +23,24 @@ from specdec.parallel_sampling import ParentRequest, Prompt
 from specdec.sampling_params import SamplingParams
 
 
+class TextPrompt(TypedDict):
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+PromptType = str | list[int] | TextPrompt | TokensPrompt
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
 class LLM:
     """`LLM(model, **options)`: the options are EngineConfig's fields (see its help texts,
     or `specdec serve --help`); an unknown one is a TypeError."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **options: Any) -> None:
-        config = EngineConfig(model=model, **_checked_options(options))
-        torch.manual_seed(config.seed)
-        self.engine = LLMEngine(config)
+        self.engine = build_engine(model, options)
         self.model_dir: Path = self.engine.model_dir
         self._ids = itertools.count()
 
@@ -34,13 +49,14 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         use_speculation: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in input order."""
-        prompt_list = _as_prompt_list(prompts)
+        """Generate for every prompt; results come back in input order. Every prompt is
+        checked before any runs: a bad one is a ValueError and nothing is left running."""
+        prompt_list = as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         parents: list[ParentRequest] = []
         try:
@@ -57,24 +73,53 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: Conversation | list[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         use_speculation: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm, use_speculation)
+        """Generate replies to one conversation or a list of them, as vLLM's `LLM.chat`:
+        chat_template (a template or a file path) replaces the model's for this call;
+        continue_final_message continues the last message instead of opening a new turn;
+        tools and chat_template_kwargs reach the template."""
+        texts = [render_chat(self.engine.tokenizer, conversation, chat_template=chat_template,
+                             add_generation_prompt=add_generation_prompt,
+                             continue_final_message=continue_final_message, tools=tools,
+                             chat_template_kwargs=chat_template_kwargs)
+                 for conversation in _conversations(messages)]
+        outputs = self.generate([self._encode(text) for text in texts], sampling_params, use_tqdm, use_speculation)
+        for output, text in zip(outputs, texts):
+            output.prompt = text  # the rendered conversation, as vLLM reports it
+        return outputs
 
-    def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if not tokenizer.chat_template:
-            raise ValueError(f"the tokenizer of {self.model_dir} has no chat template")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+    def apply_chat_template(
+        self,
+        conversation: Conversation,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The token ids `chat` would generate from for this conversation."""
+        text = render_chat(self.engine.tokenizer, conversation, chat_template=chat_template,
+                           add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                           tools=tools, chat_template_kwargs=chat_template_kwargs)
+        return self._encode(text)
 
     def get_metrics(self) -> dict[str, Any]:
         return self.engine.get_metrics()
+
+    def _encode(self, text: str) -> list[int]:
+        # the template writes any BOS itself
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
     def _run(self, parents: list[ParentRequest], use_tqdm: bool) -> None:
         by_child = {child.request_id: parent for parent in parents for child in parent.children}
@@ -88,17 +133,24 @@ class LLM:
         bar.close()
 
 
+def build_engine(model: str, options: dict[str, Any]) -> LLMEngine:
+    """The engine `LLM(model, **options)` runs (AsyncLLM builds its own the same way)."""
+    config = EngineConfig(model=model, **_checked_options(options))
+    torch.manual_seed(config.seed)
+    return LLMEngine(config)
+
+
 def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
     known = [f.name for f in engine_options() if f.name != "model"]
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise TypeError(f"LLM() got unknown engine options {unknown}; the options are {known}")
+        raise TypeError(f"got unknown engine options {unknown}; the options are {known}")
     return options
 
 
-def _signature() -> inspect.Signature:
-    """LLM's signature as help() and IDEs should show it: `model`, then every other
-    engine option as a keyword with its default."""
+def options_signature() -> inspect.Signature:
+    """The signature help() and IDEs should show for `LLM(...)` and `AsyncLLM(...)`: `model`,
+    then every other engine option as a keyword with its default."""
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     for option in engine_options():
         kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if option.name == "model" else inspect.Parameter.KEYWORD_ONLY
@@ -106,15 +158,63 @@ def _signature() -> inspect.Signature:
     return inspect.Signature(params)
 
 
-LLM.__init__.__signature__ = _signature()  # type: ignore[attr-defined]
+LLM.__init__.__signature__ = options_signature()  # type: ignore[attr-defined]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if prompts and isinstance(prompts[0], int):
-        return [list(prompts)]  # type: ignore[arg-type]
-    return list(prompts)  # type: ignore[arg-type]
+def _conversations(messages: Conversation | list[Conversation]) -> list[Conversation]:
+    """One conversation (a list of message dicts) or a list of them, as a list of them."""
+    if messages and isinstance(messages[0], list):
+        return messages
+    return [messages]  # type: ignore[list-item]
+
+
+def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[Prompt]:
+    """One prompt or a list of them (of any form, mixed) as the engine's prompts."""
+    if isinstance(prompts, (str, dict)):
+        return [parse_prompt(prompts)]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+    if prompts and all(_is_token_id(t) for t in prompts):
+        return [list(prompts)]  # one prompt of token ids
+    return [parse_prompt(prompt) for prompt in prompts]
+
+
+def parse_prompt(prompt: Any) -> Prompt:
+    """A string, a list of token ids, or a vLLM prompt dict, as the engine's prompt."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        return _parse_prompt_dict(prompt)
+    if isinstance(prompt, (list, tuple)):
+        return _token_ids(prompt, "a prompt of token ids")
+    raise TypeError(f"a prompt must be a string, a list of token ids, or a dict with one of {list(PROMPT_KEYS)}; "
+                    f"got {type(prompt).__name__}")
+
+
+def _parse_prompt_dict(prompt: dict[str, Any]) -> Prompt:
+    if "multi_modal_data" in prompt:
+        raise ValueError("multi_modal_data is not supported: specdec runs text-only models")
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS), key=str)
+    if unknown:
+        raise ValueError(f"unknown prompt dict keys {unknown}; a prompt dict has one of {list(PROMPT_KEYS)}")
+    given = [key for key in PROMPT_KEYS if key in prompt]
+    if len(given) != 1:
+        raise ValueError(f"a prompt dict needs exactly one of {list(PROMPT_KEYS)}, got {given or 'neither'}")
+    if given == ["prompt_token_ids"]:
+        return _token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
+    if not isinstance(prompt["prompt"], str):
+        raise ValueError(f"'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+    return str(prompt["prompt"])
+
+
+def _token_ids(value: Any, what: str) -> list[int]:
+    if not isinstance(value, (list, tuple)) or not all(_is_token_id(t) for t in value):
+        raise ValueError(f"{what} must be a list of int token ids, got {value!r:.80}")
+    return list(value)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

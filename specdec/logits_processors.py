@@ -1,6 +1,6 @@
 """Per-request logits transforms applied before sampling and verification: logit_bias,
-allowed_token_ids, bad_words, min_tokens (EOS and stop ids masked), and the repetition,
-presence and frequency penalties (vLLM's semantics).
+allowed_token_ids, bad_words, min_tokens (EOS and stop ids masked), the repetition,
+presence and frequency penalties (vLLM's semantics), and structured outputs' grammar masks.
 
 Every verified row gets exactly the transform plain decoding would give that position:
 row u of a request's draft tree predicts the token after node u, so its history is the
@@ -36,20 +36,33 @@ def process_logits(
     """The logits every row samples from, after its request's transforms."""
     start, out = 0, logits
     for request, tree, rows in zip(requests, trees, num_rows, strict=True):
-        if rows and needs_processing(request.sampling_params):
+        if rows and (needs_processing(request.sampling_params) or request.grammar is not None):
             if out is logits:
                 out = logits.float().clone()
-            for node in range(rows):
-                _process_row(out[start + node], request, _history(request, tree, node))  # [V] in place
+            paths = [_drafts_to(tree, node) for node in range(rows)]
+            for node, path in enumerate(paths):
+                _process_row(out[start + node], request, request.output_token_ids + path)  # [V] in place
+            if request.grammar is not None:
+                _mask_rows(out[start:start + rows], request.grammar.masks(paths), request)
         start += rows
     return out
 
 
-def _history(request: Request, tree: DraftTree, node: int) -> list[int]:
-    """Output tokens before the token row `node` predicts: committed ones, then the drafts
-    on the path to the node (the root excluded)."""
-    path = tree.path_to(node)[1:]
-    return request.output_token_ids + [tree.token_ids[n] for n in path]
+def _drafts_to(tree: DraftTree, node: int) -> list[int]:
+    """The drafts on the path to `node` (the root excluded): with the committed output,
+    the tokens before the one row `node` predicts."""
+    return [tree.token_ids[n] for n in tree.path_to(node)[1:]]
+
+
+def _mask_rows(rows: Tensor, allowed: Tensor, request: Request) -> None:  # rows [N, V] in place, allowed [N, V]
+    """Forbid what the grammar forbids. A row left with nothing (the grammar is complete
+    but min_tokens or a ban forbids EOS) may take EOS, so the request ends rather than
+    sampling from nothing."""
+    rows.masked_fill_(~allowed, float("-inf"))
+    dead = torch.isneginf(rows).all(dim=1)  # [N]
+    if dead.any() and request.eos_token_ids:
+        eos = torch.tensor(sorted(request.eos_token_ids), dtype=torch.long)
+        rows[dead.nonzero().squeeze(1).unsqueeze(1), eos] = 0.0
 
 
 def _process_row(row: Tensor, request: Request, history: list[int]) -> None:  # row [V], in place

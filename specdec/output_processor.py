@@ -1,7 +1,8 @@
-"""Commits sampled tokens to a request one at a time, stopping at exactly the right token."""
+"""Commits sampled tokens to a request one at a time, stopping at exactly the right token,
+and shapes a request's state into the RequestOutput callers see."""
 from __future__ import annotations
 
-from specdec.outputs import CompletionOutput, RequestOutput
+from specdec.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from specdec.request import Request
 
 
@@ -63,14 +64,16 @@ def visible_text(request: Request) -> str:
 
 
 def make_output(request: Request) -> RequestOutput:
+    logprobs = (request.output_logprobs[: request.num_output_tokens]
+                if request.sampling_params.logprobs is not None else None)
     completion = CompletionOutput(
         index=0,
         text=visible_text(request),
         token_ids=list(request.output_token_ids),
         finish_reason=request.finish_reason,
         stop_reason=request.stop_reason,
-        logprobs=(request.output_logprobs[: request.num_output_tokens]
-                  if request.sampling_params.logprobs is not None else None),
+        logprobs=logprobs,
+        cumulative_logprob=None if logprobs is None else cumulative_logprob(logprobs, request.output_token_ids),
     )
     return RequestOutput(
         request_id=request.request_id,
@@ -82,3 +85,9 @@ def make_output(request: Request) -> RequestOutput:
                  "num_preemptions": float(request.num_preemptions)},
         error=request.error,
     )
+
+
+def cumulative_logprob(logprobs: SampleLogprobs, token_ids: list[int]) -> float:
+    """The sum of the sampled tokens' logprobs, as vLLM reports it."""
+    return sum(entry[token_id].logprob for entry, token_id in zip(logprobs, token_ids))
+

@@ -7,7 +7,9 @@ from enum import Enum, auto
 import torch
 
 from specdec.detokenizer import IncrementalDetokenizer
+from specdec.outputs import SampleLogprobs
 from specdec.sampling_params import SamplingParams
+from specdec.structured_output import Grammar
 
 
 class RequestStatus(Enum):
@@ -27,6 +29,7 @@ class Request:
         eos_token_ids: set[int],
         use_speculation: bool = True,
         prompt: str | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -36,8 +39,9 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         self.use_speculation = use_speculation
+        self.grammar = grammar  # structured outputs: the constraint, in step with the output
         self.output_token_ids: list[int] = []
-        self.output_logprobs: list[dict[int, float]] = []
+        self.output_logprobs: SampleLogprobs = []  # one {token_id: Logprob} per token, when asked for
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache

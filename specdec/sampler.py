@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from specdec.outputs import Logprob
 from specdec.sampling_params import SamplingParams
 
 
@@ -173,20 +174,23 @@ def _exponential(n: int, gen: torch.Generator) -> Tensor:
     return torch.empty(n, device=gen.device).exponential_(generator=gen)  # [n]
 
 
-def top_logprobs(logits: Tensor, token_ids: Tensor, num_top: int) -> list[dict[int, float]]:
-    """Per row {sampled token: logprob} plus the num_top most likely tokens.
+def top_logprobs(logits: Tensor, token_ids: Tensor, num_top: int,
+                 decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
+    """Per row {sampled token: Logprob} plus the num_top most likely tokens, each with its
+    1-based rank and, given `decode`, its text.
 
     Logprobs come from the raw logits (before temperature / top-k / top-p), as in vLLM.
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     token_ids = token_ids.to(logprobs.device).long()  # [N]
-    sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [N]
+    sampled = logprobs.gather(1, token_ids.unsqueeze(1))  # [N, 1]
+    ranks = (logprobs > sampled).sum(dim=1) + 1  # [N] the sampled tokens' ranks
     top_vals, top_ids = logprobs.topk(num_top, dim=-1)  # [N, num_top] each
-    out: list[dict[int, float]] = []
-    for tok, lp, ids, vals in zip(
-        token_ids.tolist(), sampled.tolist(), top_ids.tolist(), top_vals.tolist()
-    ):
-        entry = {tok: lp}
-        entry.update(zip(ids, vals))
+    out: list[dict[int, Logprob]] = []
+    for tok, lp, rank, ids, vals in zip(token_ids.tolist(), sampled.squeeze(1).tolist(), ranks.tolist(),
+                                        top_ids.tolist(), top_vals.tolist()):
+        entry = {tok: Logprob(lp, rank, decode(tok) if decode else None)}
+        for top_rank, (top_id, value) in enumerate(zip(ids, vals), start=1):
+            entry.setdefault(top_id, Logprob(value, top_rank, decode(top_id) if decode else None))
         out.append(entry)
     return out

@@ -10,6 +10,31 @@ MAX_INT64 = 2**63
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, named as vLLM's: exactly one of these is set. The engine
+    compiles it with llguidance (specdec/structured_output.py) and masks every position
+    the grammar forbids, in plain decoding and in verification alike."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema (a dict, or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # a Lark grammar in llguidance's dialect (it may embed `%json {schema}`)
+    json_object: bool = False  # any JSON object
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        _check(len(given) == 1, "structured outputs need exactly one of json, regex, choice, grammar or "
+                                f"json_object, got {given or 'none'}")
+        _check(self.choice is None or (bool(self.choice) and all(isinstance(c, str) and c for c in self.choice)),
+               "structured outputs choice must be a non-empty list of non-empty strings")
+        _check(all(v is None or isinstance(v, str) for v in (self.regex, self.grammar)),
+               "structured outputs regex and grammar must be strings")
+        _check(self.json is None or isinstance(self.json, (str, dict)),
+               "structured outputs json must be a JSON schema (an object or its JSON text)")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -34,6 +59,7 @@ class SamplingParams:
     bad_words: list[str] | None = None  # words that may not be generated (tokenized by the engine)
     # bad_words as token-id sequences, with and without a leading space (`tokenized`)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:

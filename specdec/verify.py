@@ -115,4 +115,6 @@ def _record(item: ScheduledRequest, output: ForwardOutput, start: int, result: V
     num_top = item.request.sampling_params.logprobs
     if num_top is not None:  # from the raw logits, before any transform (as vLLM's default)
         logits = output.logits[torch.tensor(rows)]
-        item.request.output_logprobs.extend(top_logprobs(logits, torch.tensor(result.tokens), num_top))
+        detokenizer = item.request.detokenizer
+        decode = detokenizer.decode_token if detokenizer is not None else None
+        item.request.output_logprobs.extend(top_logprobs(logits, torch.tensor(result.tokens), num_top, decode))

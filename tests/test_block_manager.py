@@ -99,3 +99,17 @@ def test_prefix_blocks_are_shared_and_survive_their_owner() -> None:
     third = new_request(2, list(range(9)) + [77])
     bm.match_prefix(third)
     assert third.num_computed_tokens == 8  # still cached after its first owner left
+    assert (bm.num_prefix_queries, bm.num_prefix_hits) == (20, 16)  # two lookups of 10 tokens, 8 found each
+
+
+def test_forget_cached_drops_entries_not_kept() -> None:
+    bm = BlockManager(8, BLOCK, True)
+    first = new_request(0, list(range(10)))
+    bm.allocate(first, 10)
+    first.num_computed_tokens = 10
+    bm.cache_blocks(first)
+    bm.free(first)
+    bm.forget_cached(keep=set())
+    again = new_request(1, list(range(10)))
+    bm.match_prefix(again)
+    assert again.num_computed_tokens == 0 and not bm.cached and bm.num_free_blocks == 8

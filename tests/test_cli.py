@@ -1,14 +1,23 @@
-"""The engine flags of `specdec serve` / `generate` are made from EngineConfig's fields."""
+"""The engine flags of `specdec serve` / `generate` are made from EngineConfig's fields; the
+server's own flags, `specdec --version`, and start-up errors as one line and exit code 2."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
+from fastapi import FastAPI
 
-from specdec.cli import build_parser
+from specdec.cli import build_parser, main
 from specdec.config import EngineConfig
 from specdec.engine_args import engine_kwargs
+from specdec.server.app import uvicorn_config
+from specdec.server.cors import CorsPolicy, cors_policy
+from specdec.server.state import ServerOptions, server_options
+from specdec.version import specdec_version
 
 
 def _help_entries(capsys: pytest.CaptureFixture[str], command: str) -> dict[str, str]:
@@ -72,3 +81,53 @@ def test_bad_values_are_refused_by_the_parser(flag: str, value: str, capsys: pyt
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", flag, value])
     assert flag in capsys.readouterr().err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"specdec {specdec_version()}\n"
+
+
+def test_serve_flags_reach_uvicorn_and_the_app() -> None:
+    args = build_parser().parse_args(["serve", "tiny", "--log-level", "warning", "--stats-interval", "0",
+                                      "--sse-keepalive", "2.5", "--enable-log-requests", "--allowed-origins",
+                                      '["https://a.example", "https://b.example"]', "--allowed-headers", "x-a, x-b"])
+    assert uvicorn_config(FastAPI(), args).log_level == "warning"
+    assert server_options(args) == ServerOptions(stats_interval=0.0, sse_keepalive=2.5, log_requests=True)
+    assert cors_policy(args) == CorsPolicy(["https://a.example", "https://b.example"], ["*"], ["x-a", "x-b"])
+    defaults = build_parser().parse_args(["serve", "tiny"])
+    assert server_options(defaults) == ServerOptions() and cors_policy(defaults) is None
+    assert uvicorn_config(FastAPI(), defaults).log_level == "info"
+
+
+@pytest.mark.parametrize("flags", [["--allowed-origins", "[1]"], ["--allowed-origins", "[oops"],
+                                   ["--allowed-origins", ","], ["--stats-interval", "-1"], ["--sse-keepalive", "nan"],
+                                   ["--log-level", "verbose"]])
+def test_bad_ops_flags_are_refused_by_the_parser(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *flags])
+    assert flags[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--allowed-origins", "*", "--allow-credentials"], '--allow-credentials cannot be used with the origin "*"'),
+    (["--allowed-methods", "GET"], "--allowed-methods needs --allowed-origins"),
+])
+def test_refused_flag_combinations_exit_2_with_one_line(flags: list[str], needle: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "no-such-model", *flags])  # refused before the model would load
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("specdec serve: error: ") and needle in err, err
+
+
+def test_startup_error_exits_2_with_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "no-model-here"
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", str(missing), "--port", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("specdec serve: error: model "), done.stderr
+    assert str(missing) in done.stderr and "Traceback" not in done.stderr

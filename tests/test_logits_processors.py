@@ -50,6 +50,20 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() ->
     assert out[0, :4].tolist() == [1.0, -4.0, 2.0, 0.0]  # 0 and 1 are in the prompt, 2 is not
 
 
+def test_all_three_penalties_together_match_vllm_by_hand() -> None:
+    """vLLM's order and scopes, worked by hand: the repetition penalty over prompt and
+    output, then frequency and presence over the output only.
+    Prompt [0], output [3, 3, 2]; logits [2, -1, 0.5, 3]; repetition 2, frequency 0.5, presence 0.3:
+    token 0 (prompt only): 2 / 2 = 1.0
+    token 1 (unseen): -1.0
+    token 2 (output once): 0.5 / 2 - 0.5 * 1 - 0.3 = -0.55
+    token 3 (output twice): 3 / 2 - 0.5 * 2 - 0.3 = 0.2"""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0] + [0.0] * (V - 4)])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.3)
+    out = processed(params, DraftTree.chain([2]), output=[3, 3, 2], prompt=[0], logits=logits)
+    assert out[0, :4].tolist() == pytest.approx([1.0, -1.0, -0.55, 0.2])
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     params = SamplingParams(min_tokens=2, stop_token_ids=[7])
     out = processed(params, DraftTree.chain([5, 6, 8]), output=[4])  # rows see 1, 2, 3 output tokens

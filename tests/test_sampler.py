@@ -205,11 +205,13 @@ def test_seed_reproducible_and_batch_independent() -> None:
 def test_top_logprobs() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
     ref = torch.log_softmax(logits, -1)
-    out = top_logprobs(logits, torch.tensor([3, 2]), num_top=2)
+    out = top_logprobs(logits, torch.tensor([3, 2]), num_top=2, decode=lambda t: f"<{t}>")
     assert set(out[0]) == {3, 1, 2}  # sampled token plus the top two
     assert set(out[1]) == {2, 3}  # sampled token is itself in the top two
+    assert [out[0][t].rank for t in (1, 2, 3)] == [1, 2, 4]  # the sampled 3 ranks last, outside the top two
+    assert out[1][2].rank == 1 and out[1][3].rank == 2 and out[0][3].decoded_token == "<3>"
     for row, entry in enumerate(out):
         for tok, lp in entry.items():
-            assert lp == pytest.approx(float(ref[row, tok]))
-    assert top_logprobs(logits, torch.tensor([0, 1]), num_top=0) == [
-        {0: pytest.approx(float(ref[0, 0]))}, {1: pytest.approx(float(ref[1, 1]))}]
+            assert lp.logprob == pytest.approx(float(ref[row, tok]))
+    none = top_logprobs(logits, torch.tensor([0, 1]), num_top=0)
+    assert [(list(e), e[t].rank, e[t].decoded_token) for e, t in zip(none, (0, 1))] == [([0], 3, None), ([1], 3, None)]

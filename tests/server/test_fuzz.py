@@ -30,7 +30,7 @@ FUZZ = settings.get_profile("specdec-fuzz")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # Every route of server/app.py; a test below fails when the schema grows a route not here.
 OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /tokenize",
-              "POST /detokenize", "GET /health", "GET /metrics"]
+              "POST /detokenize", "GET /health", "GET /metrics", "GET /version", "GET /v1/models/{model_id}"]
 
 
 @pytest.fixture(scope="module")

@@ -75,9 +75,8 @@ def test_seed_minus_one_samples(server: RunningServer) -> None:
 @pytest.mark.parametrize("path, body, field", [
     ("/v1/completions", {"prompt": "hi", "temprature": 0}, "temprature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
-    ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "object"}}, "guided_json"),
+                              "functions": [{"name": "f"}]}, "functions"),  # OpenAI's deprecated form of tools
+    ("/v1/completions", {"prompt": "hi", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
 ])
 def test_an_unknown_field_is_a_400_naming_it(server: RunningServer, path: str, body: dict[str, Any],
                                               field: str) -> None:
