@@ -73,8 +73,7 @@ class DraftModelDrafter(Drafter):
         else:
             step_probs = logits_to_probs(logits, st)  # [B, V]
             sampled = sample_probs(step_probs, st.generators)
-        for i, shadow in enumerate(shadows):
-            token = int(sampled[i])
+        for i, (shadow, token) in enumerate(zip(shadows, sampled.tolist())):  # one wait for the GPU per step
             shadow.all_token_ids.append(token)
             tokens[i].append(token)
             if step_probs is not None:
@@ -90,9 +89,9 @@ class DraftModelDrafter(Drafter):
         """
         active = self._make_room(requests, shadows, extra=lambda r: 1 + _WIDTH * r.max_depth)
         expansions = {i: _Expansion(shadows[i].all_token_ids[-1]) for i in active}
-        logits = self._catch_up([shadows[i] for i in active])  # [A, V]
-        for i, row in zip(active, logits):
-            expansions[i].grow([0], row[None])
+        top = _top_branches(self._catch_up([shadows[i] for i in active]))  # [A, _BRANCH] each
+        for row, i in enumerate(active):
+            expansions[i].grow([0], top[0][row : row + 1], top[1][row : row + 1])
         for depth in range(2, 1 + max((requests[i].max_depth for i in active), default=0)):
             growing = [i for i in active if requests[i].max_depth >= depth]
             if not growing:
@@ -122,11 +121,16 @@ class DraftModelDrafter(Drafter):
             batch.append(ScheduledRequest(shadow, 1, trees[-1].num_drafts, trees[-1].max_depth))
             self.block_manager.allocate(shadow, trees[-1].num_nodes)
         output = self.runner.execute(batch, trees)
-        start = 0
+        rows, start = [], 0
         for tree, expansion in zip(trees, expansions):
-            rows = output.logits[start : start + tree.num_nodes]
-            expansion.grow(expansion.frontier, rows[expansion.frontier_rows()])
+            rows.append([start + r for r in expansion.frontier_rows()])
             start += tree.num_nodes
+        top = _top_branches(output.logits[[r for request_rows in rows for r in request_rows]])  # [F, _BRANCH] each
+        start = 0
+        for expansion, request_rows in zip(expansions, rows):
+            end = start + len(request_rows)
+            expansion.grow(expansion.frontier, top[0][start:end], top[1][start:end])
+            start = end
 
     def _make_room(self, requests: list[DraftRequest], shadows: list[Request],
                    extra: Callable[[DraftRequest], int] = lambda r: r.max_depth) -> list[int]:
@@ -182,11 +186,11 @@ class _Expansion:
         self.expanded: list[int] = []  # candidate ids run through the draft so far (0 = root)
         self.frontier: list[int] = []
 
-    def grow(self, parents: list[int], logits: torch.Tensor) -> None:  # logits [P, V]
-        top = torch.log_softmax(logits.float(), dim=-1).topk(_BRANCH, dim=-1)
+    def grow(self, parents: list[int], tokens: torch.Tensor,  # [P, _BRANCH] each parent's best next tokens
+             logprobs: torch.Tensor) -> None:  # [P, _BRANCH] their draft log-probs
         scores = [0.0 if p == 0 else self.candidates[p - 1][2] for p in parents]
         first_new = len(self.candidates) + 1
-        self.candidates += expand_layer(parents, scores, top.indices, top.values)
+        self.candidates += expand_layer(parents, scores, tokens, logprobs)
         self.expanded += [p for p in parents if p not in self.expanded]
         new = range(first_new, len(self.candidates) + 1)
         self.frontier = sorted(new, key=lambda c: -self.candidates[c - 1][2])[:_WIDTH]
@@ -204,6 +208,12 @@ class _Expansion:
 
     def tree(self, max_drafts: int) -> DraftTree:
         return DraftTree.from_expansion(self.root, self.candidates, max_drafts)
+
+
+def _top_branches(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [P, V] -> [P, _BRANCH] x 2
+    """Each row's _BRANCH best tokens and their draft log-probs, on the host (one copy)."""
+    top = torch.log_softmax(logits.float(), dim=-1).topk(_BRANCH, dim=-1)
+    return top.indices.cpu(), top.values.cpu()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -61,15 +61,15 @@ def load_heads(path: Path, lm_head: torch.Tensor,
     if config["hidden_size"] != lm_head.shape[1]:
         raise ValueError(f"Medusa heads in {path} have hidden size {config['hidden_size']}, "
                          f"the target has {lm_head.shape[1]}")
-    weights = torch.stack([tensors[f"heads.{i}.weight"] for i in range(n)]).to(lm_head.dtype)
-    biases = torch.stack([tensors[f"heads.{i}.bias"] for i in range(n)]).to(lm_head.dtype)
+    weights = torch.stack([tensors[f"heads.{i}.weight"] for i in range(n)]).to(lm_head.device, lm_head.dtype)
+    biases = torch.stack([tensors[f"heads.{i}.bias"] for i in range(n)]).to(lm_head.device, lm_head.dtype)
     return MedusaHeads(weights, biases, compute_logits)
 
 
 def _recurrent(context: DrafterContext, path: Path, choices: list[Choice], dynamic: bool) -> Drafter:
     model = context.target
     branching = context.spec.num_tree_nodes > 0
-    heads, vocab = recurrent_heads.load(path, model.embed_tokens.dtype)
+    heads, vocab = recurrent_heads.load(path, model.embed_tokens.dtype, model.embed_tokens.device)
     if heads.mix.in_features != 2 * model.embed_tokens.shape[1]:
         raise ValueError(f"recurrent Medusa heads in {path} have hidden size {heads.mix.in_features // 2}, "
                          f"the target has {model.embed_tokens.shape[1]}")
@@ -136,20 +136,23 @@ class MedusaDrafter(Drafter):
         drafts = [DraftTree.chain([r.token_ids[-1]]) for r in requests]
         if not ready:
             return drafts
-        logits = self.heads(torch.stack([requests[i].target_hidden() for i in ready]))
+        logits = self.heads(torch.stack([requests[i].target_hidden() for i in ready]))  # [heads, R, V]
+        # Every ready request's ranked guesses in one copy to the host (one wait for the GPU).
+        top = logits.topk(self.top_k, dim=-1).indices if self.branching else logits.argmax(-1, keepdim=True)
+        ranked = top.tolist()  # [heads][R][top_k]
         for row, i in enumerate(ready):
-            drafts[i] = self._draft(requests[i], logits[:, row])
+            drafts[i] = self._draft(requests[i], logits[:, row], [head[row] for head in ranked])
         return drafts
 
-    def _draft(self, request: DraftRequest, logits: torch.Tensor) -> DraftTree:  # logits [heads, V]
+    def _draft(self, request: DraftRequest, logits: torch.Tensor,  # [heads, V]
+               ranked: list[list[int]]) -> DraftTree:  # ranked: [heads][top_k] each head's best tokens
         depth = min(request.max_depth, self.heads.num_heads)
         logits = logits[:depth]
         root = request.token_ids[-1]
         if self.branching:
-            top = logits.topk(self.top_k, dim=-1).indices.tolist()  # [depth, top_k]
-            return tree_from_choices(root, top, self.choices).prune(request.num_draft_tokens, depth)
+            return tree_from_choices(root, ranked[:depth], self.choices).prune(request.num_draft_tokens, depth)
         if request.sampling_params.greedy:
-            return DraftTree.chain([root, *logits.argmax(-1).tolist()])
+            return DraftTree.chain([root, *(head[0] for head in ranked[:depth])])
         st = SamplingTensors.from_params([request.sampling_params] * depth, [None] * depth)
         probs = logits_to_probs(logits, st)  # [depth, V]
         return DraftTree.chain([root, *sample_probs(probs, st.generators).tolist()], probs)

@@ -82,7 +82,7 @@ class RecurrentDrafter(Drafter):
     def _advance(self, states: torch.Tensor, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One step for each row: [N, H] states and the N tokens they read -> the new
         states [N, H] and their logits [N, V]."""
-        ids = torch.tensor(list(tokens), dtype=torch.long)
+        ids = torch.tensor(list(tokens), dtype=torch.long).to(self.embedding.device, non_blocking=True)
         states = self.heads.step(states, F.embedding(ids, self.embedding))
         return states, self.compute_logits(states)
 
@@ -110,23 +110,24 @@ class RecurrentDrafter(Drafter):
             live = [i for i, d in enumerate(depths) if d > step]
             new_states, logits = self._advance(states[live], [tokens[i] for i in live])  # [L, H], [L, V]
             states[live] = new_states
+            best = self._token(logits.argmax(-1)).tolist()  # [L]: one wait for the GPU per depth
             for row, i in enumerate(live):
-                tokens[i] = self._pick(requests[i], logits[row], probs[i])
+                greedy = requests[i].sampling_params.greedy
+                tokens[i] = best[row] if greedy else self._sample(requests[i], logits[row], probs[i])
                 drafted[i].append(tokens[i])
         return [DraftTree.chain([r.token_ids[-1], *d], torch.stack(p) if p else None)
                 for r, d, p in zip(requests, drafted, probs)]
 
-    def _pick(self, request: DraftRequest, logits: torch.Tensor, probs: list[torch.Tensor]) -> int:
-        """The next draft token from one [Vd] row: argmax when greedy, else a sample whose
-        distribution (over the whole vocabulary, zero off the draft vocabulary) joins
-        `probs` for the rejection sampler."""
-        params = request.sampling_params
-        if params.greedy:
-            return int(self._token(logits.argmax()))
-        st = SamplingTensors.from_params([params], [None])
+    def _sample(self, request: DraftRequest, logits: torch.Tensor, probs: list[torch.Tensor]) -> int:
+        """The next draft token of a sampled request from one [Vd] row, drawn from a
+        distribution (over the whole vocabulary, zero off the draft vocabulary) that joins
+        `probs` for the rejection sampler. Its own wait for the GPU: sampled requests draft
+        one at a time."""
+        st = SamplingTensors.from_params([request.sampling_params], [None])
         row = logits_to_probs(logits[None], st)[0]  # [Vd]
         if self.vocab is not None:
-            row = torch.zeros(self.embedding.shape[0], dtype=row.dtype).index_copy_(0, self.vocab, row)  # [V]
+            vocab = self.embedding.shape[0]
+            row = torch.zeros(vocab, dtype=row.dtype, device=row.device).index_copy_(0, self.vocab, row)  # [V]
         probs.append(row)
         return int(sample_probs(row[None], st.generators)[0])
 
@@ -155,16 +156,27 @@ class RecurrentDrafter(Drafter):
         states, logits = self._advance(torch.stack([g.states[node] for g, node in rows]),
                                        [g.token(node) for g, node in rows])
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, Vd]
+        tops = self._top_by_width(logprobs, [g.width for g in growths for _ in g.frontier])
         start = 0
         for g in growths:
             end = start + len(g.frontier)
-            top = logprobs[start:end].topk(g.width, dim=-1)  # [F, width]
+            tokens, values = tops[g.width]
             first = len(g.candidates) + 1
-            g.candidates += expand_layer(g.frontier, [g.score(n) for n in g.frontier],
-                                         self._token(top.indices), top.values)
+            g.candidates += expand_layer(g.frontier, [g.score(n) for n in g.frontier], tokens[start:end],
+                                         values[start:end])
             g.states += [state for state in states[start:end] for _ in range(g.width)]
             g.frontier = sorted(range(first, len(g.candidates) + 1), key=g.score, reverse=True)[:g.width]
             start = end
+
+    def _top_by_width(self, logprobs: torch.Tensor,  # [R, Vd]
+                      widths: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Per width w among the rows' widths, every row's top w token ids and log-probs
+        ([R, w] each, on the host: one copy, one wait for the GPU, per distinct width)."""
+        tops = {}
+        for width in sorted(set(widths)):
+            top = logprobs.topk(width, dim=-1)
+            tops[width] = (self._token(top.indices).cpu(), top.values.cpu())
+        return tops
 
     def _plan(self, request: DraftRequest) -> list[Choice]:
         """The request's choices, parents first: the first num_draft_tokens (in priority order)

@@ -91,9 +91,10 @@ def save(model: RecurrentHeads, out: Path, config: dict, vocab: torch.Tensor | N
     return (out / WEIGHTS).stat().st_size
 
 
-def load(path: Path, dtype: torch.dtype = torch.float32) -> tuple[RecurrentHeads, torch.Tensor | None]:
-    """Heads saved by `save`, in `dtype`, and their draft vocabulary ([Vd] int64, or None
-    for the full one)."""
+def load(path: Path, dtype: torch.dtype = torch.float32,
+         device: torch.device | str = "cpu") -> tuple[RecurrentHeads, torch.Tensor | None]:
+    """Heads saved by `save`, in `dtype` on `device`, and their draft vocabulary ([Vd]
+    int64 on `device`, or None for the full one)."""
     from safetensors.torch import load_file
 
     config = json.loads((path / CONFIG).read_text())
@@ -104,4 +105,4 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> tuple[RecurrentHeads
     tensors = load_file(str(path / WEIGHTS))
     vocab = tensors.pop(VOCAB, None)
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
-    return model.to(dtype).eval(), vocab
+    return model.to(device, dtype).eval(), None if vocab is None else vocab.to(device)

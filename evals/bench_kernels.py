@@ -11,7 +11,10 @@ speculation relies on).
 
 Backends are packed once and swapped in turn on one model, so every (context, query
 length) point is measured alternately across backends and machine noise hits them alike;
-each number is the median over --repeats rounds of the mean of a few calls.
+each number is the median over --repeats rounds of the mean of a few calls. Besides the
+backends of kernels/linear.py (q8_0, q4_0 and q4_1 quantize the fp32 weights at load),
+"gguf" runs the model's own GGUF blocks (quantization="gguf"; --no-gguf to skip), and a
+summary gives each backend's 1-token, 1+5 and 1+8-token verify forwards and their ratios.
 
     SPECDEC_HOME=/tmp/sdhome python evals/bench_kernels.py --threads 2 --json /tmp/kernels.json
 
@@ -38,6 +41,7 @@ from specdec.allocator import keep_freed_memory
 from specdec.config import EngineConfig
 from specdec.kernels.attention import make_attention_backend
 from specdec.kernels.linear import LinearBackend, available_linear_backends, get_linear_backend
+from specdec.kernels.linear_gguf import GgufLinear
 from specdec.model_registry import DEFAULT_MODEL, resolve_model
 from specdec.model_runner import KVCache, ModelRunner
 from specdec.models import LlamaForCausalLM, load_model
@@ -61,12 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated; default: every backend available here")
     parser.add_argument("--attention-backends", default=["auto"], type=lambda s: s.split(","),
                         help="engine attention_backend values to time side by side (auto, cpp, torch)")
-    parser.add_argument("--query-lens", default=[1, 2, 4, 8, 9, 16, 32], type=_ints)
+    parser.add_argument("--query-lens", default=[1, 2, 4, 6, 8, 9, 16, 32], type=_ints)
     parser.add_argument("--context-lens", default=[128, 512, 1024], type=_ints)
     parser.add_argument("--micro-rows", default=[1, 2, 4, 8, 9, 16, 32], type=_ints)
     parser.add_argument("--repeats", type=int, default=5, help="alternating rounds; the median is reported")
     parser.add_argument("--min-time", type=float, default=0.05, help="seconds of calls per sample (at least 1)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gguf", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the model's own GGUF blocks (backend 'gguf')")
     parser.add_argument("--skip-micro", action="store_true")
     parser.add_argument("--skip-model", action="store_true")
     parser.add_argument("--skip-invariance", action="store_true", help="and the accuracy check")
@@ -225,7 +231,8 @@ def _weights(model: LlamaForCausalLM) -> dict[str, Tensor]:  # projection -> fp3
             "down": layer.down_proj.weight, "lm_head": model.lm_head_weight}
 
 
-def bench_micro(model: LlamaForCausalLM, backends: list[str], args: argparse.Namespace) -> dict[str, Any]:
+def bench_micro(model: LlamaForCausalLM, backends: list[str], args: argparse.Namespace,
+                gguf_model: LlamaForCausalLM | None) -> dict[str, Any]:
     def call(backend: LinearBackend, packed: Any, x: Tensor) -> Callable[[], Tensor]:
         return lambda: backend.apply(x, packed)
 
@@ -233,13 +240,17 @@ def bench_micro(model: LlamaForCausalLM, backends: list[str], args: argparse.Nam
         pass
 
     results: dict[str, Any] = {}
+    gguf_weights = _weights(gguf_model) if gguf_model is not None else {}
     for proj, weight in _weights(model).items():
         impls = {name: get_linear_backend(name) for name in backends}
         packed = {name: impl.prepare(weight) for name, impl in impls.items()}
+        if proj in gguf_weights:
+            impls["gguf"] = GgufLinear()
+            packed["gguf"] = impls["gguf"].prepare(gguf_weights[proj])
         points: dict[Any, Point] = {}
         for m in args.micro_rows:
             x = torch.randn(m, weight.shape[1])
-            for name in backends:
+            for name in impls:
                 points[(name, m)] = (nothing, call(impls[name], packed[name], x))
         for (name, m), t in time_interleaved(points, args.repeats, args.min_time / 4).items():
             results.setdefault(proj, {}).setdefault(name, {})[str(m)] = t["median"] * 1e6
@@ -285,6 +296,36 @@ def micro_tables(results: dict[str, Any], shapes: dict[str, tuple[int, int]], ar
     return "\n\n".join(parts)
 
 
+def verify_ratio_table(results: dict[str, Any]) -> str:
+    """Per backend and context: the 1-token forward and the 1+5 and 1+8-token verifies."""
+    rows = []
+    for name, by_context in results.items():
+        for context, times in by_context.items():
+            one, five, eight = (times.get(str(q)) for q in (1, 6, 9))
+            if one is None:
+                continue
+            cells = [f"{t:.2f}" if t is not None else "-" for t in (one, five, eight)]
+            ratios = [f"{t / one:.2f}x" if t is not None else "-" for t in (five, eight)]
+            rows.append([name, context, *cells, *ratios])
+    return ("### verify cost: ms per forward of 1 token, 1 + 5 and 1 + 8 (median)\n\n"
+            + markdown_table(["backend", "context", "1", "1+5", "1+8", "(1+5) / 1", "(1+8) / 1"], rows))
+
+
+def gguf_model(args: argparse.Namespace, max_positions: int) -> LlamaForCausalLM | None:
+    """The model on its own GGUF blocks, if asked for and it has a GGUF."""
+    if not args.gguf:
+        return None
+    try:
+        path = resolve_model(args.model, gguf=True)
+    except (ValueError, FileNotFoundError) as error:
+        _progress(f"no GGUF blocks to time: {error}")
+        return None
+    if path.suffix != ".gguf":
+        _progress(f"{args.model} has no GGUF file: no 'gguf' backend")
+        return None
+    return load_model(path, max_positions=max_positions, quantization="gguf")
+
+
 def invariance_table(results: dict[str, Any], context: int, num_query: int) -> str:
     rows = [[name, f"{r['max_abs_diff']:.2e}", r["bitwise_equal"], r["argmax_equal"]]
             for name, r in results.items()]
@@ -308,7 +349,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     keep_freed_memory()  # as the engine does: otherwise bigger steps also pay page faults
     backends = args.backends or available_linear_backends()
     model_dir = resolve_model(args.model)
-    model = load_model(model_dir, max_positions=max(args.context_lens) + max(args.query_lens) + 1)
+    max_positions = max(args.context_lens) + max(args.query_lens) + 1
+    model = load_model(model_dir, max_positions=max_positions)
+    blocks_model = gguf_model(args, max_positions)
     report: dict[str, Any] = {
         "model": args.model, "backends": backends, "threads": args.threads, "repeats": args.repeats,
         "torch": torch.__version__, "loadavg_before": os.getloadavg(),
@@ -319,11 +362,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with torch.inference_mode():
         if not args.skip_micro:
             shapes = model_shapes(model)
-            report["micro_us"] = bench_micro(model, backends, args)
+            report["micro_us"] = bench_micro(model, backends, args, blocks_model)
             report["shapes"] = shapes
             sections.append("## one projection alone\n\n" + micro_tables(report["micro_us"], shapes, args))
         if not (args.skip_model and args.skip_invariance):
             packed = {name: pack_linears(model, get_linear_backend(name)) for name in backends}
+            if blocks_model is not None:  # same module names: its packing installs on `model`
+                packed["gguf"] = pack_linears(blocks_model, GgufLinear())
             rig = VerifyRig(model, max(args.context_lens) + max(args.query_lens) + 1)
             if not args.skip_invariance:
                 context, q = args.context_lens[0], 9
@@ -333,6 +378,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 sections.append(accuracy_table(report["accuracy"]))
             if not args.skip_model:
                 report["model_ms"], report["model_ms_min"] = bench_model(rig, packed, args)
+                sections.append(verify_ratio_table(report["model_ms"]))
                 sections.append("## target forward through the paged KV path (ModelRunner.execute), median\n\n"
                                 + model_tables(report["model_ms"], args))
                 sections.append("## the same, min over rounds (the machine's best case)\n\n"

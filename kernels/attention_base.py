@@ -34,6 +34,11 @@ class AttentionBackend(ABC, Generic[PlanT]):
     - `store_kv(key, value, kv, plan)` writes the step's K and V ([T, Hkv, D], rows
       possibly strided views of a fused projection) into `kv` at `plan.meta.slot_mapping`;
       fp8 caches also get their per-slot scales (kv_cache.py). Nothing else is written.
+      A backend that CUDA graphs capture (triton) writes nothing for a negative slot: a
+      padding token of a step padded to a graph's shape (specdec/cuda_graphs.py).
+    - Captured in a CUDA graph (triton), `plan` and `forward` make everything they index
+      with from `meta`'s device tensors and its host-side lengths, which a graph shape
+      fixes: no copy from the host and no wait for the GPU.
     - `forward(query, kv, plan, scale)` returns a new [T, Hq, D] tensor in the query's
       dtype: query row t of request b attends, with softmax scale `scale`, to the keys
       `plan.meta` says it sees (the request's context before its query tokens, then the

@@ -11,8 +11,7 @@ kv_cache.py): K/V tiles are upcast (fp8: times their scales) as they are loaded.
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -194,32 +193,37 @@ def _visible(pos, qi, tok, row_ok, prefix, q_len, tree_mask_ptr, s_tm, IS_TREE: 
         return pos[None, :] <= prefix + qi[:, None]
 
 
-@functools.lru_cache(maxsize=16)
-def _tile_index(
-    query_lens: tuple[int, ...], block_q: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tiles] int32, [num_tiles] int32)
-    """Request and first query index of every query tile. Cached: all layers of a step
-    share one batch layout, so only the first layer pays the host->device copy."""
-    reqs: list[int] = []
-    starts: list[int] = []
-    for b, n in enumerate(query_lens):
-        for q0 in range(0, n, block_q):
-            reqs.append(b)
-            starts.append(q0)
-    to_dev = functools.partial(torch.tensor, dtype=torch.int32, device=device)
-    return to_dev(reqs), to_dev(starts)
+def _tile_index(meta: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:  # [n], [n] int32
+    """Request and first query index of every query tile, from the device's copy of the
+    layout by device ops alone: no host copy, no sync, and a CUDA graph captures it (the
+    tile count, the grid size, comes from the host's query lengths)."""
+    num_tiles = sum(-(-n // block_q) for n in meta.query_lens_cpu)
+    starts = meta.query_start_loc  # [B + 1]
+    tiles = (starts[1:] - starts[:-1] + block_q - 1) // block_q  # [B] tiles per request
+    ends = torch.cumsum(tiles, 0)  # [B] int64: one past each request's last tile
+    tile = torch.arange(num_tiles, device=starts.device)  # [n]
+    req = torch.searchsorted(ends, tile, right=True)  # [n] the request whose tiles cover it
+    q0 = (tile - (ends - tiles)[req]) * block_q  # [n]
+    return req.to(torch.int32), q0.to(torch.int32)
 
 
 @dataclass
 class TritonPlan(AttentionPlan):
-    """The tree mask as the kernel reads it (None: causal)."""
+    """The tree mask as the kernel reads it (None: causal), and the query tiles by tile
+    height, made by the step's first layer and reused by the others."""
 
     tree_mask: torch.Tensor | None  # [T, max_query_len] uint8
+    tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def tile_index(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:  # [n], [n] int32
+        if block_q not in self.tiles:
+            self.tiles[block_q] = _tile_index(self.meta, block_q)
+        return self.tiles[block_q]
 
 
 class TritonAttention(AttentionBackend[TritonPlan]):
-    """Triton kernels on the cache's device (the query tiles of a step are indexed on
-    first use and cached across layers and steps)."""
+    """Triton kernels on the cache's device (the query tiles of a step are indexed by
+    its first layer and reused by the others)."""
 
     name = "triton"
 
@@ -253,7 +257,7 @@ def paged_attention_triton(
     assert k_scale.stride() == v_scale.stride() and (not kv.is_fp8 or k_scale.stride(2) == 1)
     group_p = triton.next_power_of_2(Hq // Hkv)
     block_q = max(1, BLOCK_M // group_p)
-    tile_req, tile_q0 = _tile_index(tuple(meta.query_lens_cpu), block_q, query.device)
+    tile_req, tile_q0 = plan.tile_index(block_q)
     # A causal step passes any int tensor where the kernel never reads it.
     tree = tile_req if plan.tree_mask is None else plan.tree_mask
     s_tm = 0 if plan.tree_mask is None else tree.stride(0)

@@ -1,7 +1,8 @@
 """Linear backends by name (the interface: linear_base.py), one class family per file:
 fp32 (linear_base.py), fbgemm fp16 / int8 (linear_fbgemm.py), the C++ fp16 kernel
-(linear_cpu.py), int8 with per-row scales and bf16 on plain torch (linear_torch.py), and
-oneDNN fp32 / bf16 (linear_onednn.py)."""
+(linear_cpu.py), int8 with per-row scales and bf16 on plain torch (linear_torch.py),
+oneDNN fp32 / bf16 (linear_onednn.py), and GGUF blocks q8_0 / q4_0 / q4_1 through the C++
+quantized kernel (linear_gguf.py)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,16 @@ import torch
 from specdec.kernels.linear_base import Fp32Linear, LinearBackend
 from specdec.kernels.linear_cpu import CppFp16Linear
 from specdec.kernels.linear_fbgemm import Fp16Linear, Int8Linear
+from specdec.kernels.linear_gguf import QUANT_BACKENDS
 from specdec.kernels.linear_onednn import OneDnnBf16Linear, OneDnnFp32Linear
 from specdec.kernels.linear_torch import Bf16Linear, Int8RowwiseLinear
 
 __all__ = ["LINEAR_BACKENDS", "Fp32Linear", "LinearBackend", "available_linear_backends", "default_linear_backend",
            "get_linear_backend", "resolve_linear_backend"]
 
-LINEAR_BACKENDS: dict[str, type[LinearBackend]] = {
-    cls.name: cls
-    for cls in (Fp32Linear, Fp16Linear, CppFp16Linear, Int8Linear, Int8RowwiseLinear, Bf16Linear, OneDnnFp32Linear,
-                OneDnnBf16Linear)
-}
+_CLASSES: tuple[type[LinearBackend], ...] = (Fp32Linear, Fp16Linear, CppFp16Linear, Int8Linear, Int8RowwiseLinear,
+                                             Bf16Linear, OneDnnFp32Linear, OneDnnBf16Linear, *QUANT_BACKENDS)
+LINEAR_BACKENDS: dict[str, type[LinearBackend]] = {cls.name: cls for cls in _CLASSES}
 
 
 def available_linear_backends() -> list[str]:

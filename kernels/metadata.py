@@ -17,7 +17,9 @@ class AttentionMetadata:
     causal prefix (tree_mask None) or exactly the tokens tree_mask marks (trees).
     """
 
-    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset for each query token
+    # [T] int64: block_id * block_size + offset for each query token; -1 for a padding
+    # token of a CUDA-graph step, which owns no cache entry (see attention_base.py)
+    slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0

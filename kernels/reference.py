@@ -7,7 +7,10 @@ definition (kv_cache.quantize_fp8: scale = amax / 448 per slot and head).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 from specdec.kernels.kv_cache import PagedKV, quantize_fp8
 from specdec.kernels.metadata import AttentionMetadata
@@ -20,6 +23,25 @@ def linear(x: torch.Tensor,  # [M, in]
     """x @ weight.T + bias, in float64."""
     out = x.double() @ weight.double().T
     return out if bias is None else out + bias.double()
+
+
+def dequantize_gguf(blocks: torch.Tensor,  # [rows, row bytes] uint8: each row's GGUF blocks
+                    ggml_type: GGMLQuantizationType,
+                    cols: int) -> torch.Tensor:  # [rows, cols] float32
+    """A matrix stored in GGUF blocks, dequantized by the gguf package (llama.cpp's
+    definition of every block type); each row's weights past `cols` (padding) dropped."""
+    rows = blocks.shape[0]
+    values = dequantize(blocks.numpy().astype(np.uint8, copy=False), ggml_type).reshape(rows, -1)
+    return torch.from_numpy(np.ascontiguousarray(values[:, :cols], dtype=np.float32))
+
+
+def linear_gguf(x: torch.Tensor,  # [M, in]
+                blocks: torch.Tensor,  # [out, row bytes] uint8 GGUF blocks of an [out, in] weight
+                ggml_type: GGMLQuantizationType,
+                bias: torch.Tensor | None = None,  # [out]
+                ) -> torch.Tensor:  # [M, out] float64
+    """x @ W.T + bias for W the dequantized GGUF weight, in float64."""
+    return linear(x, dequantize_gguf(blocks, ggml_type, x.shape[1]), bias)
 
 
 def rms_norm(x: torch.Tensor,  # [..., D]

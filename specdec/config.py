@@ -4,11 +4,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import Field, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from specdec.model_registry import DEFAULT_MODEL
+from specdec.model_registry import DEFAULT_MODEL, model_cache_dir
 
 METHODS = ("ngram", "draft_model", "medusa")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k tokens of KV for the default model in fp16
@@ -76,7 +77,8 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'draft_model' needs 'model': a draft model directory or name")
 
 
-# Model dtypes by name (--dtype); "auto" is float32, the dtype the engine is tested in.
+# Model dtypes by name (--dtype). "auto" is float32 on the CPU, the dtype the engine is
+# tested in; on CUDA it is the checkpoint's dtype (see auto_dtype).
 DTYPES: dict[str, torch.dtype] = {
     "auto": torch.float32, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -113,15 +115,26 @@ class EngineConfig:
                "of step time (measured as the engine runs), so their tokens keep flowing; 0: chunks fill "
                "max_num_batched_tokens")
     block_size: int = _option(16, "tokens per KV-cache block (a power of two up to 128)")
-    kv_cache_memory: int = _option(DEFAULT_KV_CACHE_MEMORY, "bytes for the KV cache")
+    kv_cache_memory: int = _option(0, "bytes for the KV cache; 0: 1 GiB on the CPU, and on CUDA what "
+                                      "gpu_memory_utilization leaves")
+    gpu_memory_utilization: float = _option(
+        0.9, "on CUDA with kv_cache_memory 0: the fraction of the GPU's memory the engine may use; the KV cache "
+             "gets what the weights and a profiled forward of max_num_batched_tokens leave of it")
     kv_cache_dtype: str = _option("auto", "KV cache storage dtype (auto: the model dtype); fp16/bf16 halve KV "
                                           "memory, fp8 (e4m3 with per-token, per-head scales) about quarters it",
                                   choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = _option(False, "reuse the KV blocks of prompt prefixes computed before")
-    dtype: torch.dtype = _option(torch.float32, "dtype of the model's weights and activations", choices=DTYPES)
+    dtype: torch.dtype = _option("auto", "dtype of the model's weights and activations (auto: float32 on the CPU; "
+                                         "on CUDA the checkpoint's bf16/fp16, bf16 for a float32 one)",
+                                 choices=DTYPES)
     linear_backend: str = _option("auto", "packed CPU matmuls for the projections and LM head: auto | cpp-fp16 | "
                                           "fp16 | fp32 | int8 | int8-rowwise | bf16 | onednn-fp32 | onednn-bf16 "
                                           "(see evals/bench_kernels.py)")
+    quantization: str = _option("none", "how the projections and LM head keep their weights: none (float, on "
+                                        "linear_backend; a .gguf model dequantized at load), gguf (a .gguf model's "
+                                        "own Q8_0/Q4_0/Q4_1 blocks on the C++ quantized kernels, no float copy), "
+                                        "q8_0 | q4_0 | q4_1 (each projection quantized at load)",
+                                choices=("none", "gguf", "q8_0", "q4_0", "q4_1"))
     attention_backend: str = _option("auto", "attention: the C++ paged kernel (cpp, CPU), plain torch (torch) or "
                                              "Triton (triton, CUDA); auto: triton on CUDA, else cpp where it "
                                              "builds, else torch",
@@ -129,17 +142,20 @@ class EngineConfig:
     seed: int = _option(0, "seed of torch's global random generator, which requests without a seed sample from")
     device: str = _option("auto", "auto | cpu | cuda: where the model runs (auto: cuda when a GPU is visible, "
                                   "else cpu)", choices=DEVICES)
+    enforce_eager: bool = _option(False, "on CUDA, run every step eagerly instead of replaying CUDA graphs "
+                                         "captured for decode and verify batches (the CPU always runs eagerly)")
     chat_template: str | None = _option(None, "a Jinja chat template, or the path of a file holding one, used "
                                               "instead of the model's own (chat requests and LLM.chat)")
 
     def __post_init__(self) -> None:
         """Bring raw values (CLI strings, JSON, `LLM` keywords) to the types the engine
         uses: the one place engine options are converted."""
-        self.dtype = _as_dtype(self.dtype)
-        self.speculative_config = _as_speculative_config(self.speculative_config)
-        if self.kv_cache_memory is None:  # "no preference", as callers may pass it through
-            self.kv_cache_memory = DEFAULT_KV_CACHE_MEMORY
         _check_device(self.device)
+        self.dtype = _as_dtype(self.dtype, self.torch_device, self.model)
+        self.speculative_config = _as_speculative_config(self.speculative_config)
+        if not self.kv_cache_memory and self.torch_device.type != "cuda":  # None, 0: "no preference"
+            self.kv_cache_memory = DEFAULT_KV_CACHE_MEMORY
+        self.kv_cache_memory = self.kv_cache_memory or 0
 
     @property
     def torch_device(self) -> torch.device:
@@ -155,8 +171,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
-        if self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.kv_cache_memory < 0:
+            raise ValueError(f"kv_cache_memory must be positive (or 0: the default size), got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.prefill_step_target_ms >= 0:
             raise ValueError(f"prefill_step_target_ms must be >= 0, got {self.prefill_step_target_ms}")
         if self.max_num_seqs < 1:
@@ -165,16 +183,42 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}")
         from specdec.kernels.linear import default_linear_backend, get_linear_backend
 
-        if self.linear_backend == "auto":
-            self.linear_backend = default_linear_backend() if self.dtype == torch.float32 else "fp32"
+        if self.quantization != "none":  # "auto" stays, for a draft model's float projections
+            self._check_quantization()
+        elif self.linear_backend == "auto":
+            on_cpu = self.torch_device.type == "cpu"
+            self.linear_backend = default_linear_backend() if self.dtype == torch.float32 and on_cpu else "fp32"
+        if self.torch_device.type == "cuda" and self.linear_backend not in ("auto", "fp32"):
+            raise ValueError(f"linear_backend {self.linear_backend!r} packs weights for the CPU; on CUDA the "
+                             "projections run on 'fp32' (F.linear in the model dtype)")
 
-        get_linear_backend(self.linear_backend)  # ValueError if unknown or unavailable
+        if self.linear_backend != "auto":
+            get_linear_backend(self.linear_backend)  # ValueError if unknown or unavailable
         from specdec.kernels.attention import check_attention_backend
 
         check_attention_backend(self.attention_backend)  # ValueError if unknown, KernelBuildError if cpp cannot build
+        graphs = self.torch_device.type == "cuda" and not self.enforce_eager
+        if graphs and self.attention_backend not in ("auto", "triton"):
+            raise ValueError(f"CUDA graphs are captured on the triton attention kernels: attention_backend "
+                             f"{self.attention_backend!r} on CUDA needs enforce_eager=True")
+        if self.torch_device.type == "cuda" and self.speculative_config and self.speculative_config.adaptive:
+            raise ValueError("speculative_config adaptive times forwards on the host's clock, which does not wait "
+                             "for the GPU: it runs on the CPU only")
         if self.linear_backend != "fp32" and self.dtype != torch.float32:
             raise ValueError(f"linear_backend {self.linear_backend!r} needs dtype float32 "
                              f"(activations stay fp32), got {self.dtype}")
+
+    def _check_quantization(self) -> None:
+        from specdec.models.loader import QUANTIZATIONS
+
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not one of {list(QUANTIZATIONS)}")
+        if self.linear_backend != "auto":
+            raise ValueError(f"quantization {self.quantization!r} gives the projections their own backend, so "
+                             f"linear_backend {self.linear_backend!r} would go unused: leave it 'auto'")
+        if self.dtype != torch.float32 or self.torch_device.type != "cpu":
+            raise ValueError(f"quantization {self.quantization!r} runs on the CPU in float32 activations, got "
+                             f"dtype {self.dtype} on {self.torch_device}")
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
@@ -189,12 +233,36 @@ def engine_options() -> list[Field[Any]]:
     return list(fields(EngineConfig))
 
 
-def _as_dtype(value: torch.dtype | str) -> torch.dtype:
+def _as_dtype(value: torch.dtype | str, device: torch.device, model: str) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
     if value not in DTYPES:
         raise ValueError(f"dtype {value!r} is not one of {list(DTYPES)}")
+    if value == "auto":
+        return auto_dtype(device, checkpoint_dtype(model) if device.type == "cuda" else None)
     return DTYPES[value]
+
+
+def auto_dtype(device: torch.device, checkpoint: str | None) -> torch.dtype:
+    """What dtype "auto" means: float32 on the CPU; on CUDA a bf16/fp16 checkpoint's own
+    dtype and, for a float32 (or unknown) one, bf16 where the GPU has it, else fp16, as
+    vLLM does: float32 matmuls would leave the tensor cores idle."""
+    if device.type != "cuda":
+        return torch.float32
+    if checkpoint in ("bfloat16", "float16"):
+        return DTYPES[checkpoint]
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def checkpoint_dtype(model: str) -> str | None:
+    """The dtype config.json stores the weights in, for a local directory or a known model
+    already pulled; None for a .gguf file or a model not on disk yet (nothing is pulled)."""
+    for directory in (Path(model).expanduser(), model_cache_dir(model)):
+        if (directory / "config.json").is_file():
+            raw = json.loads((directory / "config.json").read_text())
+            stored = raw.get("dtype") or raw.get("torch_dtype")
+            return stored if isinstance(stored, str) else None
+    return None
 
 
 def _as_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:

@@ -6,21 +6,22 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from specdec.adaptive import AdaptiveSpeculation, Stopwatch, calibrate
 from specdec.allocator import keep_freed_memory
 from specdec.block_manager import BlockManager
 from specdec.chat_utils import apply_template_override
 from specdec.config import EngineConfig
+from specdec.cuda_graphs import make_runner
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.drafters.base import Drafter, DrafterContext, DraftRequest
 from specdec.drafters.factory import build_drafter
+from specdec.gpu_memory import gpu_kv_blocks
 from specdec.kernels.kv_ops import move_kv
 from specdec.metrics import EngineMetrics
 from specdec.model_registry import read_json, resolve_model
 from specdec.model_runner import KVCache, ModelRunner
-from specdec.models import LlamaForCausalLM, load_model
+from specdec.models import LlamaForCausalLM, load_model, load_tokenizer
 from specdec.output_processor import commit_tokens, make_output
 from specdec.outputs import RequestOutput
 from specdec.pacing import PrefillPacer
@@ -39,13 +40,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
-        self.model_dir = resolve_model(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.model_dir = resolve_model(config.model, gguf=config.quantization == "gguf")
+        self.tokenizer = load_tokenizer(self.model_dir)
         apply_template_override(self.tokenizer, config.chat_template)
         self.device = config.torch_device
         keep_freed_memory()
         self.model = load_model(self.model_dir, dtype=config.dtype, device=self.device,
-                                linear_backend=config.linear_backend, attention_backend=config.attention_backend)
+                                linear_backend=config.linear_backend, attention_backend=config.attention_backend,
+                                quantization=config.quantization)
         self.model_config = self.model.config
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
@@ -53,7 +55,7 @@ class LLMEngine:
         kv_cache = KVCache(self.model_config.num_layers, self.block_manager.num_blocks, config.block_size,
                            self.model_config.num_kv_heads, self.model_config.head_dim, config.kv_cache_torch_dtype,
                            self.device)
-        self.runner = ModelRunner(self.model, config, kv_cache, self.device)
+        self.runner = make_runner(self.model, config, kv_cache, self.device, self.max_model_len)
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         self.policy: SpeculationPolicy = _build_adaptive(self) if spec and spec.adaptive else FixedSpeculation()
@@ -83,7 +85,8 @@ class LLMEngine:
         mc = self.model_config
         per_block = KVCache.bytes_per_block(mc.num_layers, self.config.block_size, mc.num_kv_heads,
                                             mc.head_dim, self.config.kv_cache_torch_dtype)
-        num_blocks = int(self.config.kv_cache_memory // per_block)
+        num_blocks = (int(self.config.kv_cache_memory // per_block) if self.config.kv_cache_memory
+                      else gpu_kv_blocks(self.model, self.config, self.max_model_len, per_block, self.device))
         # One request of max_model_len tokens (plus its lookahead) must always fit, or it
         # could never finish.
         spec = self.config.speculative_config
@@ -91,9 +94,11 @@ class LLMEngine:
         needed = -(-(self.max_model_len + lookahead) // self.config.block_size)
         if num_blocks < needed:
             raise ValueError(
-                f"kv_cache_memory={self.config.kv_cache_memory} bytes holds {num_blocks} KV blocks "
+                f"the KV cache (kv_cache_memory={self.config.kv_cache_memory} bytes; 0: sized by "
+                f"gpu_memory_utilization) holds {num_blocks} KV blocks "
                 f"({num_blocks * self.config.block_size} tokens), fewer than max_model_len={self.max_model_len} "
-                f"needs ({needed} blocks of {per_block} bytes); raise kv_cache_memory or lower max_model_len")
+                f"needs ({needed} blocks of {per_block} bytes); raise kv_cache_memory (or gpu_memory_utilization) "
+                f"or lower max_model_len")
         return num_blocks
 
     # ---- requests -------------------------------------------------------------------

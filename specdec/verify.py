@@ -97,10 +97,12 @@ def _stack_draft_probs(
 ) -> torch.Tensor | None:  # [sum(num_drafts), V] or None when no drafter gave probabilities
     if all(p is None for p in probs):
         return None
+    device = next(p.device for p in probs if p is not None)
     rows = []
     for tokens, p in zip(drafts, probs):
         if tokens:
-            rows.append(p if p is not None else torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float())
+            rows.append(p if p is not None else
+                        torch.nn.functional.one_hot(torch.tensor(tokens, device=device), vocab).float())
     return torch.cat(rows) if rows else None
 
 

@@ -6,6 +6,9 @@ Each projection of the model (qkv, o, gate_up, down in each layer, and the LM he
 weight packed for that backend. The parameters stay whatever the backend: the embedding
 table is still looked up in the model dtype (also when tied to the LM head), a drafter may
 share the embedding / LM head, and the model can be repacked for another backend later.
+A GGUF model on its own blocks (or a model quantized at load) holds each weight as a
+QuantizedTensor (kernels/quantized_tensor.py): still a float32 [out, in] parameter to
+everything here, but stored as blocks, which its backend (kernels/linear_gguf.py) reads.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""Load a local HF safetensors checkpoint into our LlamaForCausalLM.
+"""Load a local HF safetensors checkpoint, or a GGUF file, into our LlamaForCausalLM.
 
 Each of our parameters is filled from one or more HF tensors stacked along dim 0 (q/k/v
 into qkv_proj, gate/up into gate_up_proj); pieces are copied straight into slices of the
 destination, so no fused temporary is ever materialised. Tensors are read lazily through
-safetensors' memory map, one at a time. The model gets its attention backend at
-construction and its linear backend once the weights are in.
+safetensors' (or the GGUF's) memory map, one at a time. With `quantization="gguf"` a
+GGUF's projections keep their blocks instead: each such parameter becomes a
+QuantizedTensor of its pieces' blocks (kernels/quantized_tensor.py). The model gets its
+attention backend at construction and its linear backend once the weights are in.
 """
 
 from __future__ import annotations
@@ -22,14 +24,22 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from specdec.kernels.attention import AttentionBackend, make_attention_backend
-from specdec.kernels.linear import get_linear_backend, resolve_linear_backend
+from specdec.kernels.gguf_blocks import QUANTIZABLE, QuantizedMatrix, quantize
+from specdec.kernels.linear import LinearBackend, get_linear_backend, resolve_linear_backend
+from specdec.kernels.linear_gguf import GgufLinear
+from specdec.kernels.quantized_tensor import QuantizedTensor
 from specdec.models.config import ModelConfig
+from specdec.models.gguf_loader import GgufTensors, is_gguf, model_config, open_gguf
+from specdec.models.linear import PackedLinear
 from specdec.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
 # Checkpoint tensors we know we do not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# How the projections' weights are stored (EngineConfig.quantization): as loaded, in
+# float ("none"); a GGUF's own blocks ("gguf"); quantized at load to one block type.
+QUANTIZATIONS = ("none", "gguf", "q8_0", "q4_0", "q4_1")
 
 
 @dataclass(frozen=True)
@@ -52,11 +62,16 @@ def load_model(
     max_positions: int | None = None,
     linear_backend: str = "fp32",
     attention_backend: str | AttentionBackend[Any] = "auto",
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
-    """Build the model described by model_dir/config.json and load its safetensors.
+    """Build the model described by model_dir/config.json and load its safetensors, or
+    the model of a .gguf file (model_dir the file) from its metadata and tensors.
 
     linear_backend names the projections' backend (kernels/linear.py; "auto": the
-    default for `dtype`); attention_backend names the attention backend
+    default for `dtype`) unless `quantization` (one of QUANTIZATIONS) is not "none":
+    then the projections keep a GGUF's own blocks ("gguf") or are quantized at load to
+    that block type (no float copy kept; a tied embedding table too), on its backend.
+    attention_backend names the attention backend
     (kernels/attention.py; "auto": the C++ kernels where they build, else torch) or is
     one to share (a draft model shares its target's). ValueError for an unknown or
     unavailable backend, KernelBuildError if attention "cpp" cannot build here.
@@ -65,15 +80,20 @@ def load_model(
     already in the right shape, dtype and device is shared, not copied, so the draft adds
     no memory for it. max_positions caps the RoPE table (default: the config's
     max_position_embeddings).
-    Raises ValueError for unsupported architectures and for missing or misshapen weights.
+    Raises ValueError for unsupported architectures, GGUF tensor types, quantizations
+    and for missing or misshapen weights.
     """
-    config = ModelConfig.from_dir(model_dir)
-    linear = get_linear_backend(resolve_linear_backend(linear_backend, dtype))
+    path = Path(model_dir)
+    reader = open_gguf(path) if is_gguf(path) else None
+    config = model_config(reader) if reader is not None else ModelConfig.from_dir(path)
+    linear = _linear_backend(linear_backend, quantization, dtype, reader is not None)
     attention = (make_attention_backend(attention_backend, device) if isinstance(attention_backend, str)
                  else attention_backend)
     model = LlamaForCausalLM(config, attention, dtype=dtype, device=device, max_positions=max_positions)
     plan = weight_plan(config)
-    with _open_checkpoint(Path(model_dir)) as tensors, torch.no_grad():
+    checkpoint = (_open_checkpoint(path) if reader is None
+                  else _gguf_checkpoint(GgufTensors(reader, config, keep_blocks=quantization == "gguf")))
+    with checkpoint as tensors, torch.no_grad():
         source = _Source(tensors, fallback_weights or {})
         _check_complete(plan, source)
         params = dict(model.named_parameters())
@@ -82,13 +102,48 @@ def load_model(
         for name, pieces in plan.items():
             shared = _shareable_fallback(params[name], pieces, source)
             if shared is None:
-                _fill(params[name], pieces, source)
-            else:
+                shared = _fill(params[name], pieces, source)
+            if shared is not None:
                 _replace_parameter(model, name, shared)
         _warn_unused(tensors, plan, config)
     model.tie_weights()
+    if quantization in QUANTIZABLE:
+        _quantize_linears(model, quantization)
     model.use_linear_backend(linear)
     return model.eval()
+
+
+def _quantize_linears(model: LlamaForCausalLM, qtype: str) -> None:
+    """Quantize-at-load: every projection's float weight (and with it a tied embedding
+    table, whose lookups then read the quantized rows) replaced by its blocks."""
+    blocks: dict[int, QuantizedTensor] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(module, PackedLinear) and name == "weight" and not isinstance(param, QuantizedTensor):
+                blocks.setdefault(id(param), QuantizedTensor([quantize(param, qtype)]))
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) in blocks:
+                setattr(module, name, nn.Parameter(blocks[id(param)], requires_grad=False))
+
+
+def _linear_backend(name: str, quantization: str, dtype: torch.dtype, gguf: bool) -> LinearBackend:
+    """The projections' backend: `name`'s, or (whatever `name`) the one `quantization`
+    stores them for; EngineConfig refuses a linear_backend that would be left unused."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not one of {list(QUANTIZATIONS)}")
+    if quantization == "none":
+        return get_linear_backend(resolve_linear_backend(name, dtype))
+    if dtype != torch.float32:
+        raise ValueError(f"quantization {quantization!r} needs dtype float32 (activations stay fp32), got {dtype}")
+    if quantization != "gguf":
+        return get_linear_backend(quantization)
+    if not gguf:
+        raise ValueError("quantization 'gguf' runs a .gguf model's own blocks; this model is an HF directory "
+                         "(quantize it at load with q8_0, q4_0 or q4_1 instead)")
+    if not GgufLinear.is_available():
+        raise ValueError("quantization 'gguf' needs the C++ quantized kernel, which does not run here")
+    return GgufLinear()
 
 
 def weight_plan(config: ModelConfig) -> WeightPlan:
@@ -160,12 +215,12 @@ class _Source:
     """Checkpoint tensors first, fallback tensors for names the checkpoint lacks."""
 
     def __init__(self, tensors: dict[str, Any], fallback: dict[str, Tensor]):
-        self.tensors, self.fallback = tensors, fallback  # tensors: name -> safe_open handle
+        self.tensors, self.fallback = tensors, fallback  # tensors: name -> safe_open handle or GgufTensors
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors or name in self.fallback
 
-    def get(self, name: str) -> Tensor:
+    def get(self, name: str) -> Tensor | QuantizedMatrix:
         handle = self.tensors.get(name)
         return self.fallback[name] if handle is None else handle.get_tensor(name)
 
@@ -179,6 +234,12 @@ def _open_checkpoint(model_dir: Path) -> Iterator[dict[str, Any]]:
             handle = stack.enter_context(safe_open(str(path), framework="pt"))
             index.update(dict.fromkeys(handle.keys(), handle))
         yield index
+
+
+@contextmanager
+def _gguf_checkpoint(tensors: GgufTensors) -> Iterator[dict[str, Any]]:
+    """Yield tensor name -> the GGUF's tensors (the reader closes with the last reference)."""
+    yield dict.fromkeys(tensors.keys(), tensors)
 
 
 def _shard_files(model_dir: Path) -> list[Path]:
@@ -219,18 +280,25 @@ def _replace_parameter(model: LlamaForCausalLM, name: str, tensor: Tensor) -> No
     setattr(module, attr, nn.Parameter(tensor, requires_grad=False))  # shares storage
 
 
-def _fill(param: Tensor, pieces: list[_Piece], source: _Source) -> None:
-    """Copy each piece into its row slice of param (converting dtype/device)."""
-    start = 0
+def _fill(param: Tensor, pieces: list[_Piece], source: _Source) -> QuantizedTensor | None:
+    """Copy each piece into its row slice of param (converting dtype/device); or, where
+    the pieces are GGUF blocks, return the QuantizedTensor of them to take param's place."""
+    start, blocks = 0, []
     for piece in pieces:
         dest = param[start : start + piece.rows]
         tensor = source.get(piece.hf_name)
         expected = dest.shape[1:] if piece.broadcast else dest.shape
-        if tensor.shape != expected:
+        if tuple(tensor.shape) != tuple(expected):
             got, want = tuple(tensor.shape), tuple(expected)
             raise ValueError(f"weight {piece.hf_name} has shape {got}, expected {want}")
-        dest.copy_(tensor)  # broadcasts a [D] norm vector over its heads
+        if isinstance(tensor, QuantizedMatrix):
+            blocks.append(tensor)
+        else:
+            dest.copy_(tensor)  # broadcasts a [D] norm vector over its heads
         start += piece.rows
+    if blocks and len(blocks) != len(pieces):
+        raise ValueError(f"weights {[p.hf_name for p in pieces]} mix GGUF blocks and float tensors in one projection")
+    return QuantizedTensor(blocks) if blocks else None
 
 
 def _warn_unused(tensors: dict[str, Any], plan: WeightPlan, config: ModelConfig) -> None:

@@ -1,0 +1,139 @@
+"""A llama-architecture GGUF file read directly: its model config and EOS from the
+metadata and its tensors under HF names, for loader.py (its tokenizer: tokenizer.py).
+
+Tensors come either dequantized to float32 (`keep_blocks=False`: the model then equals the
+dequantized HF checkpoint `specdec models pull` writes) or, for `quantization="gguf"`,
+as the file's own blocks (`QuantizedMatrix`, no float copy) wherever their type is one
+the C++ kernels run; q and k rows are reordered from llama.cpp's RoPE layout to HF's
+either way (whole rows, so the blocks are kept as they are). A file that is not a
+readable GGUF, an architecture or tensor other than a llama's, or a tensor type that
+cannot be loaded is a ValueError naming it.
+"""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+from torch import Tensor
+
+from specdec.gguf_convert import hf_name, qk_row_order
+from specdec.kernels.gguf_blocks import BLOCK_TYPES, QuantizedMatrix
+from specdec.models.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+BLOCK_NAMES = {ggml_type: name for name, ggml_type in BLOCK_TYPES.items()}
+FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+# What a GGUFReader raises on a truncated or damaged file.
+_READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, struct.error, UnicodeDecodeError)
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """The file's reader (memory-mapped copy-on-write: nothing is written back); a
+    ValueError naming the file if it is missing, truncated or not a GGUF."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file {path}")
+    try:
+        return GGUFReader(path, "c")
+    except _READ_ERRORS as error:
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or damaged?): {error}") from error
+
+
+def model_config(reader: GGUFReader) -> ModelConfig:
+    """The model's config from the metadata, as an HF config.json would give it."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    heads, hidden = int(_field(reader, f"{arch}.attention.head_count")), int(_field(reader, f"{arch}.embedding_length"))
+    raw: dict[str, Any] = {
+        "model_type": arch, "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+        "hidden_size": hidden, "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length")),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(reader, arch),
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))),
+        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", None),
+    }
+    return ModelConfig.from_dict(raw)
+
+
+def _field(reader: GGUFReader, key: str, default: Any = ...) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is ...:
+            raise ValueError(f"the GGUF metadata has no {key!r}")
+        return default
+    return field.contents()
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (none or linear)")
+    return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+
+
+class GgufTensors:
+    """The file's tensors by HF name, in the checkpoint interface loader.py reads."""
+
+    def __init__(self, reader: GGUFReader, config: ModelConfig, keep_blocks: bool):
+        self.config, self.keep_blocks = config, keep_blocks
+        self.by_name: dict[str, ReaderTensor] = {}
+        for tensor in reader.tensors:
+            self.by_name[hf_name(tensor.name)] = tensor
+
+    def keys(self) -> list[str]:
+        return list(self.by_name)
+
+    def get_tensor(self, name: str) -> Tensor | QuantizedMatrix:
+        """`name`'s tensor: float32, or for keep_blocks its blocks (ValueError for a block
+        type the kernels do not run: it would take a float32 copy)."""
+        tensor = self.by_name[name]
+        shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dims innermost first
+        weight: Tensor | QuantizedMatrix
+        if self.keep_blocks and tensor.tensor_type in BLOCK_NAMES:
+            weight = QuantizedMatrix(BLOCK_NAMES[tensor.tensor_type], torch.from_numpy(tensor.data), shape[-1])
+        elif self.keep_blocks and tensor.tensor_type not in FLOAT_TYPES:
+            raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which quantization "
+                             f"'gguf' does not run (block types: {', '.join(t.name for t in BLOCK_NAMES)}); load it "
+                             "with quantization 'none', or quantize it at load with q8_0, q4_0 or q4_1")
+        else:
+            weight = self._floats(tensor, shape)
+        return self._reordered(name, weight)
+
+    def _floats(self, tensor: ReaderTensor, shape: list[int]) -> Tensor:
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as error:
+            raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which cannot be "
+                             f"loaded: {error}") from error
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
+
+    def _reordered(self, name: str, weight: Tensor | QuantizedMatrix) -> Tensor | QuantizedMatrix:
+        """q and k rows from llama.cpp's RoPE order to HF's."""
+        heads = {"q_proj": self.config.num_heads, "k_proj": self.config.num_kv_heads}
+        head = next((h for proj, h in heads.items() if name.endswith(f"{proj}.weight")), None)
+        if head is None:
+            return weight
+        order = qk_row_order(int(weight.shape[0]), head)
+        if isinstance(weight, QuantizedMatrix):
+            return QuantizedMatrix(weight.qtype, weight.blocks.index_select(0, order), weight.cols)
+        return weight.index_select(0, order)
