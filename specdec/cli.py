@@ -38,6 +38,11 @@ def _pull(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    if _uses_ray(args):
+        from specdec.server.ray_launch import serve_replicas
+
+        serve_replicas(args, vars(build_parser().parse_args(["serve"])))
+        return
     from specdec.server.app import serve
 
     serve(args)
@@ -171,6 +176,32 @@ def _add_limit_args(serve: argparse.ArgumentParser) -> None:
                        help="most prompt tokens in one request, all its prompts together (default 65536)")
 
 
+_RAY_ONLY = ("ray_address", "num_cpus_per_replica", "min_replicas", "max_replicas", "target_ongoing_requests")
+
+
+def _uses_ray(args: argparse.Namespace) -> bool:
+    """Serve through Ray (server/ray_launch.py) when any Ray flag asks for it."""
+    return bool(args.data_parallel_size > 1 or any(getattr(args, name) is not None for name in _RAY_ONLY))
+
+
+def _add_ray_args(serve: argparse.ArgumentParser) -> None:
+    """Engine replicas on Ray Serve behind this one endpoint (server/ray_app.py); any of these
+    flags but --data-parallel-size 1 serves through Ray."""
+    serve.add_argument("--data-parallel-size", type=_at_least(1), default=1, metavar="N",
+                       help="engine replicas, each with its own engine and KV cache, behind one endpoint on Ray "
+                            "Serve; requests go to the replica holding their prompt prefix unless it is busier")
+    serve.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                       help="join this Ray cluster (e.g. HEAD_IP:6379, or auto) instead of starting a local one")
+    serve.add_argument("--num-cpus-per-replica", type=_positive_float, default=None, metavar="CPUS",
+                       help="CPUs Ray reserves for each replica, which runs that many torch threads (unset: 1)")
+    serve.add_argument("--min-replicas", type=_at_least(1), default=None, metavar="N",
+                       help="autoscale: fewest replicas (unset: 1)")
+    serve.add_argument("--max-replicas", type=_at_least(1), default=None, metavar="N",
+                       help="autoscale: most replicas (unset: --data-parallel-size, or --min-replicas if larger)")
+    serve.add_argument("--target-ongoing-requests", type=_positive_float, default=None, metavar="N",
+                       help="autoscale: requests in flight per replica that Serve scales to keep (unset: 2)")
+
+
 def _add_tool_args(serve: argparse.ArgumentParser) -> None:
     """Tool calls in chat completions (server/tool_parsers.py; checked at start-up)."""
     serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
@@ -193,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_limit_args(serve)
     _add_ops_args(serve)
     _add_tool_args(serve)
+    _add_ray_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
     gen = sub.add_parser("generate", help="one-off generation", formatter_class=HELP_FORMAT)

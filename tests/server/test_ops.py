@@ -218,8 +218,12 @@ def test_request_log_lines(ops: RunningServer, caplog: pytest.LogCaptureFixture)
     with ops.client() as client:
         response = client.post("/v1/completions", json={**COMPLETION, "seed": 7, "stop": ["secret stop"]})
     request_id, usage = response.json()["id"], response.json()["usage"]
-    assert wait_until(lambda: len(messages(caplog, name)) == 2)
-    admitted, finished = messages(caplog, name)
+
+    def own() -> list[str]:  # an earlier test's request may still log its end while this one runs
+        return [m for m in messages(caplog, name) if f"request {request_id} " in m]
+
+    assert wait_until(lambda: len(own()) == 2)
+    admitted, finished = own()
     assert admitted.startswith(f"request {request_id} admitted: {usage['prompt_tokens']} prompt tokens, params: ")
     assert "temperature=0.0" in admitted and "seed=7" in admitted and "stop=<1 items>" in admitted
     assert admitted.endswith("speculative: off")
