@@ -55,6 +55,10 @@ class Drafter(ABC):
     def free(self, request_id: str) -> None:
         """Forget a finished or aborted request."""
 
+    def forget_cached(self) -> None:
+        """Drop what the drafter keeps across requests (a cache of earlier outputs), so that
+        nothing of the requests served so far can be drafted into later ones."""
+
 
 @dataclass(frozen=True)
 class DrafterContext:

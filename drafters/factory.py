@@ -10,6 +10,10 @@ def build_drafter(context: DrafterContext) -> Drafter:
         from specdec.drafters.ngram import NgramDrafter
 
         return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "suffix":
+        from specdec.drafters.suffix import SuffixDrafter
+
+        return SuffixDrafter(spec)
     if spec.method == "draft_model":
         from specdec.drafters.draft_model import DraftModelDrafter
 

@@ -2,6 +2,15 @@
 per (config, temperature, prompt) out, each prompt generated plain and speculative on the
 same `LLM`, with the engine's own counters around every generation, and a journal that
 lets a killed run resume.
+
+Requests run in sequence through one engine per config, as a server would see them: every
+conversation turn is one request, in file order, category after category, so drafters
+with state shared across requests (suffix decoding's cache) draft later prompts from
+earlier answers. The warm-up asks a prompt of its own, so no measured prompt was answered
+before it is measured. Plain runs never reach the drafter, so only the speculative runs
+feed such a cache. With several temperatures, every prompt comes again at each one, and
+a cache has seen its earlier answers: compare cross-request drafters one temperature at a
+time. A resumed run skips finished prompts, so a cache misses their answers.
 """
 from __future__ import annotations
 
@@ -28,7 +37,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "draft-k3": {"method": "draft_model", "num_speculative_tokens": 3},
     "draft-k5": {"method": "draft_model", "num_speculative_tokens": 5},
     "medusa": {"method": "medusa", "num_speculative_tokens": 4},
+    "suffix-k5": {"method": "suffix", "num_speculative_tokens": 5},
+    "suffix-tree": {"method": "suffix", "num_speculative_tokens": 8, "num_tree_nodes": 12},
 }
+# The warm-up's conversation: none of the measured prompts, which a cross-request drafter
+# would otherwise have seen answered before they are measured.
+WARM_UP_TURNS = ["Name three colours of the rainbow."]
 
 Prompts = dict[str, list[dict[str, Any]]]  # category -> items with "id" and "turns"
 Template = Callable[[list[dict[str, str]]], list[int]]
@@ -201,11 +215,10 @@ def sampling_params(temperature: float, max_tokens: int, seed: int) -> SamplingP
                           seed=None if temperature == 0 else seed)
 
 
-def warm_up(llm: LLM, prompts: Prompts, count: int) -> EngineMetrics:
+def warm_up(llm: LLM, count: int) -> EngineMetrics:
     """First calls pay one-off costs (allocations, lazy init); keep them out of the timings."""
-    first = next(iter(prompts.values()))[0]["turns"][:1]
     params = sampling_params(0.0, 8, 0)
-    runs = [engine_run(llm, first, params, speculative) for _ in range(count) for speculative in (False, True)]
+    runs = [engine_run(llm, WARM_UP_TURNS, params, speculative) for _ in range(count) for speculative in (False, True)]
     return sum((r.counters for r in runs if r.counters), EngineMetrics())
 
 

@@ -36,6 +36,7 @@ PRESETS: dict[str, dict[str, Any] | None] = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "ngram-k3": {"method": "ngram", "num_speculative_tokens": 3},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
     # matches a single token: a value's first token (the free bonus after a forced key) finds its source
     "ngram-min1": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 5},
     "ngram-k8": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5},

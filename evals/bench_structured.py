@@ -4,7 +4,9 @@ speculation with grammar-forced drafts, side by side in one process.
     python evals/bench_structured.py --rounds 3 --methods ngram,draft_model
 
 Each round runs every method over all prompts (batch 1, greedy), in alternating order, so
-machine noise hits them alike. Reported: tokens/s per method, its speedup over
+machine noise hits them alike. A drafter's cross-request cache (suffix decoding) starts
+each round empty: it may draft from earlier prompts of the round, not from the same
+prompt's answer in an earlier round. Reported: tokens/s per method, its speedup over
 constrained plain decoding, steps per output token, and whether every output is
 token-identical to plain's and valid for its schema.
 """
@@ -60,6 +62,8 @@ def run(llm: LLM, max_tokens: int) -> tuple[list[list[int]], list[str], float, i
     """(token ids, texts, seconds, engine steps) over every task, one request at a time."""
     ids, texts, seconds = [], [], 0.0
     steps_before = llm.get_metrics()["num_steps"]
+    if llm.engine.drafter is not None:  # no round drafts from an earlier round's answers to the same prompts
+        llm.engine.drafter.forget_cached()
     for prompt, schema in TASKS:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                 structured_outputs=StructuredOutputsParams(json=schema))

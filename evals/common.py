@@ -14,6 +14,12 @@ PROMPTS_DIR = Path(__file__).parent / "prompts"
 INPUT_GROUNDED = ("summarization", "rag", "code:rewrite")
 # Every category the latency benchmarks run by default, input-grounded first.
 ALL_CATEGORIES = (*INPUT_GROUNDED, "code:complete", "qa", "math_reasoning", "translation", "mt_bench")
+# Workloads whose repetition spans requests (an edit loop printing its answer again, one
+# extraction template over many inputs, JSON tool calls): they measure drafters that share
+# a cache across requests (suffix decoding), so they are meant to run in sequence through
+# one engine, as `specdec eval acceptance` runs them. Not in ALL_CATEGORIES: the latency
+# benchmarks send first turns only, and greedy_outputs dumps stay comparable.
+CROSS_REQUEST = ("edit_loop", "template_extraction", "tool_call")
 
 
 def load_prompts(category: str, limit: int) -> list[str]:

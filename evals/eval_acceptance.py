@@ -112,7 +112,7 @@ def evaluate(args: argparse.Namespace, make_llm: MakeLLM | None = None) -> dict[
         pending = [key for key, _, _ in plan(label, prompts, args.temperatures) if journal.get(key) is None]
         llm = None  # free the previous engine (weights + KV cache) before building the next
         llm = make_llm(args.model, config, args) if pending else None
-        warmup = warm_up(llm, prompts, args.warmup) if llm and args.warmup else EngineMetrics()
+        warmup = warm_up(llm, args.warmup) if llm and args.warmup else EngineMetrics()
         results += evaluate_config(llm, label, prompts, args, bar, journal)
         config_info[label] = {"speculative_config": config, "warmup_counters": warmup.counters(),
                               "engine_totals": engine_counters(llm).counters() if llm else None,

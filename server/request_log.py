@@ -24,11 +24,18 @@ class RequestRecord:
         self.arrival = time.monotonic()
         self.first_token: float | None = None
         self.logged_finish = False
+        # The engine may finish a short request before its admission is logged (both reach
+        # the event loop as callbacks): its end waits here, so the lines keep their order.
+        self.is_admitted = False
+        self.pending_final: RequestOutput | None = None
 
     def admitted(self, prompt: Prompt, params: SamplingParams, speculative: bool) -> None:
         size = f"{len(prompt)} prompt tokens" if isinstance(prompt, list) else f"a text prompt of {len(prompt)} chars"
         logger.info("request %s admitted: %s, params: %s, speculative: %s", self.request_id, size,
                     params_summary(params), "on" if speculative else "off")
+        self.is_admitted = True
+        if self.pending_final is not None:
+            self.finished(self.pending_final)
 
     def observe(self, output: RequestOutput, parent: ParentRequest) -> None:
         """A child's newest output has reached the event loop; `parent` already holds it."""
@@ -36,7 +43,10 @@ class RequestRecord:
             self.first_token = time.monotonic()
         if parent.finished and not self.logged_finish:
             self.logged_finish = True
-            self.finished(parent.merged())
+            if self.is_admitted:
+                self.finished(parent.merged())
+            else:
+                self.pending_final = parent.merged()
 
     def finished(self, final: RequestOutput) -> None:
         now = time.monotonic()

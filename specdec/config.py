@@ -11,7 +11,7 @@ import torch
 
 from specdec.model_registry import DEFAULT_MODEL, model_cache_dir
 
-METHODS = ("ngram", "draft_model", "medusa")
+METHODS = ("ngram", "suffix", "draft_model", "medusa")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k tokens of KV for the default model in fp16
 # KV cache storage dtypes (vLLM's --kv-cache-dtype). "auto" stores K/V in the model dtype,
 # except fp16 for a float32 model (llama.cpp's default cache type): half the memory and
@@ -41,6 +41,15 @@ class SpeculativeConfig:
     # and running acceptance, for the most committed tokens per second (specdec/adaptive.py).
     # num_speculative_tokens (and num_tree_nodes) are then upper bounds.
     adaptive: bool = False
+    # Suffix decoding (method "suffix", drafters/suffix.py): drafts from the request's own
+    # prompt and output and from a per-engine cache of earlier requests' outputs.
+    suffix_cache_max_requests: int = 1000  # requests the cache holds, oldest evicted first; 0: no cache
+    suffix_cache_max_tokens: int = 1 << 20  # tokens the cache holds (its memory is proportional)
+    suffix_cache_ttl_s: float = 600.0  # no request's text stays in the cache longer than this
+    suffix_cross_request: bool = True  # False: a request drafts from its own prompt and output only
+    suffix_max_depth: int = 24  # the longest context suffix matched (tokens)
+    suffix_spec_factor: float = 1.0  # a draft is at most this many times as deep as the matched suffix
+    suffix_min_prob: float = 0.1  # draft nodes whose empirical probability is lower are dropped
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -75,6 +84,31 @@ class SpeculativeConfig:
             raise ValueError(f"num_tree_nodes must be in [0, 64], got {self.num_tree_nodes}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative method 'draft_model' needs 'model': a draft model directory or name")
+        self._validate_suffix()
+
+    def _validate_suffix(self) -> None:
+        """The suffix_* keys: each in range, and set only for method 'suffix' (elsewhere they would do nothing)."""
+        defaults = SpeculativeConfig(method=self.method)
+        names = [f.name for f in fields(self) if f.name.startswith("suffix_")]
+        if self.method != "suffix":
+            stray = [name for name in names if getattr(self, name) != getattr(defaults, name)]
+            if stray:
+                raise ValueError(f"speculative_config keys {stray} apply to method 'suffix' only, not {self.method!r}")
+            return
+        checks: dict[str, tuple[Any, Any, str]] = {  # key: (type, range check, what is expected)
+            "suffix_cache_max_requests": (int, lambda v: v >= 0, ">= 0 (0: no cross-request cache)"),
+            "suffix_cache_max_tokens": (int, lambda v: 2 <= v <= 1 << 31, "in [2, 2**31]"),
+            "suffix_cache_ttl_s": ((int, float), lambda v: v > 0, "> 0 seconds"),
+            "suffix_cross_request": (bool, lambda v: True, "true or false"),
+            "suffix_max_depth": (int, lambda v: 2 <= v <= 64, "in [2, 64]"),
+            "suffix_spec_factor": ((int, float), lambda v: 0 < v <= 64, "in (0, 64]"),
+            "suffix_min_prob": ((int, float), lambda v: 0 <= v <= 1, "in [0, 1]"),
+        }
+        for name, (kind, ok, expected) in checks.items():
+            value = getattr(self, name)
+            # bool is an int subclass: a JSON true is not a count.
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)) or not ok(value):
+                raise ValueError(f"speculative_config {name} must be {expected}, got {value!r}")
 
 
 # Model dtypes by name (--dtype). "auto" is float32 on the CPU, the dtype the engine is

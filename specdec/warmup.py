@@ -7,7 +7,8 @@ request, and the first /health that answers, find a ready engine.
 
 The warm-up leaves no trace: its counters, the prefill pacer's timing estimate (the
 first step's time includes the builds), the global random state and the prefix-cache
-entries of its prompt are put back as they were, and every KV block it took is free again.
+entries of its prompt are put back as they were, every KV block it took is free again,
+and the drafter's cross-request cache (suffix decoding's) is emptied.
 """
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def warm_up(engine: LLMEngine) -> float:
     engine.metrics, engine.scheduler.num_preemptions = metrics, preemptions
     engine.pacer.seconds_per_token = seconds_per_token
     engine.block_manager.num_prefix_queries, engine.block_manager.num_prefix_hits = lookups
-    engine.block_manager.forget_cached(cached_before)  # no later request hits the warm-up prompt
+    engine.block_manager.forget_cached(cached_before)
+    if engine.drafter is not None:  # a suffix drafter would otherwise draft from the warm-up's text
+        engine.drafter.forget_cached()  # no later request hits the warm-up prompt
     if engine.block_manager.num_free_blocks != free_before:
         raise RuntimeError(f"the warm-up left {free_before - engine.block_manager.num_free_blocks} KV blocks "
                            "allocated")

@@ -14,7 +14,8 @@ def plain(tiny_model_dir) -> LLM:  # type: ignore[no-untyped-def]
 
 def spec_configs(tiny_model_dir, tiny_draft_dir) -> dict[str, dict]:  # type: ignore[no-untyped-def]
     return {"ngram": NGRAM,
-            "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_draft_dir)}}
+            "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_draft_dir)},
+            "suffix": {"method": "suffix", "num_speculative_tokens": 4, "num_tree_nodes": 8, "suffix_min_prob": 0.0}}
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -30,7 +31,7 @@ def test_greedy_speculation_is_lossless(plain, tiny_model_dir, tiny_draft_dir, m
     assert_all_blocks_free(spec)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "suffix"])
 def test_mixed_batch_with_chunked_prefill_and_preemption(plain, tiny_model_dir, tiny_draft_dir, method) -> None:  # type: ignore[no-untyped-def]
     prompts = random_prompts(100, 6)
     expected = token_ids(plain.generate(prompts, greedy()))
@@ -48,6 +49,7 @@ def test_mixed_batch_with_chunked_prefill_and_preemption(plain, tiny_model_dir, 
     assert spec.get_metrics()["num_preemptions"] > 0
     assert spec.get_metrics()["num_drafts"] > 0
     assert_all_blocks_free(spec)
+    assert getattr(engine.drafter, "contexts", {}) == {}  # a drafter with per-request state freed every request
 
 
 def test_draft_equal_to_target_accepts_everything(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]

@@ -133,7 +133,8 @@ def test_configs_and_prompt_sets() -> None:
     with pytest.raises(ValueError, match="labelled"):
         parse_configs(["ngram-k3", '{"method": "ngram", "num_speculative_tokens": 3}'], None)
     prompts = load_prompts(None, None)
-    assert set(prompts) == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code"}
+    assert set(prompts) == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code",
+                            "edit_loop", "template_extraction", "tool_call"}
     ids = [item["id"] for items in prompts.values() for item in items]
     assert len(ids) == len(set(ids))
     assert all(len(items) >= 10 for items in prompts.values())

@@ -268,6 +268,13 @@ def test_warm_up_leaves_no_trace(tiny_model_dir: Path, monkeypatch: pytest.Monke
         warm_up(engine)
 
 
+def test_warm_up_leaves_nothing_in_the_suffix_cache(tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), max_model_len=128, speculative_config={"method": "suffix"})
+    assert warm_up(llm.engine) > 0
+    cache = llm.engine.drafter.cache  # type: ignore[union-attr]
+    assert cache is not None and cache.num_requests == 0
+
+
 def test_cli_opens_its_port_after_warm_up(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The first /health that answers is 200 (never a 503 while the engine gets ready), and
     the warm-up ran before uvicorn started."""

@@ -1,0 +1,104 @@
+"""Suffix decoding (SuffixDecoding, NeurIPS 2025; vLLM's method "suffix"): draft the most
+frequent continuations of the context's longest matched suffix, found in the request's own
+prompt and output and in a cache of earlier requests' outputs.
+
+Each step: the request's index takes the tokens committed since its last step (a few hash
+writes each); the longest suffix of the context that occurred before is looked up in it
+and in the cache (a bounded walk, see suffix_index.py); the occurrences whose match is
+that long are the evidence. Their continuations, each at most `suffix_spec_factor` times
+the match length deep (a long match is trusted further), form a trie with counts, emitted
+best-first by empirical probability with nodes under `suffix_min_prob` dropped
+(suffix_tree.py). The step's num_draft_tokens and max_depth bound the tree.
+
+A request's tokens enter the cache when the engine frees it, finished or aborted alike:
+`free` cannot tell them apart, and an aborted request's output is the target's output
+all the same. What is cached is what `propose` last saw: the tokens committed by the
+final step are missing, and a request the drafter never saw (no speculation granted) is
+not cached. With suffix_cross_request False, or suffix_cache_max_requests 0, there is no
+cache: nothing of one request reaches another.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specdec.config import SpeculativeConfig
+from specdec.drafters.base import Drafter, DraftRequest
+from specdec.drafters.suffix_cache import SuffixCache
+from specdec.drafters.suffix_index import SuffixIndex
+from specdec.drafters.suffix_tree import SuffixDraft, build_draft
+from specdec.tree import DraftTree
+
+
+@dataclass
+class RequestContext:
+    """What the drafter keeps of one running request."""
+
+    index: SuffixIndex  # its prompt and committed output
+    output_start: int  # where its output begins, as far as the first propose could tell
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """A matched occurrence: which store, where its continuation starts, how long the match."""
+
+    store: SuffixIndex | SuffixCache
+    position: int
+    match_length: int
+
+
+class SuffixDrafter(Drafter):
+    def __init__(self, spec: SpeculativeConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_match = spec.suffix_max_depth
+        self.spec_factor = spec.suffix_spec_factor
+        self.min_prob = spec.suffix_min_prob
+        shared = spec.suffix_cross_request and spec.suffix_cache_max_requests > 0
+        self.cache = (SuffixCache(spec.suffix_cache_max_requests, spec.suffix_cache_max_tokens,
+                                  spec.suffix_cache_ttl_s, clock) if shared else None)
+        self.contexts: dict[str, RequestContext] = {}
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        return [self.draft(request).tree for request in requests]
+
+    def draft(self, request: DraftRequest) -> SuffixDraft:
+        """The request's draft tree and each node's empirical probability."""
+        context = request.token_ids
+        self.observe(request.request_id, context)
+        evidence = self.find(request.request_id, context)
+        if not evidence:
+            return build_draft(context[-1], [], 0, self.min_prob)
+        match_length = evidence[0].match_length
+        depth = min(request.max_depth, max(1, int(self.spec_factor * match_length)))
+        continuations = [e.store.continuation(e.position, depth) for e in evidence]
+        return build_draft(context[-1], continuations, request.num_draft_tokens, self.min_prob)
+
+    def observe(self, request_id: str, token_ids: list[int]) -> None:
+        """Index the tokens committed since the request's last step."""
+        state = self.contexts.get(request_id)
+        if state is None or len(token_ids) < state.index.end:  # new, or its history was rewritten
+            # The root is the first output token when a request is first seen right after its prefill.
+            state = self.contexts[request_id] = RequestContext(SuffixIndex(), len(token_ids) - 1)
+        state.index.extend(token_ids[state.index.end:])
+
+    def find(self, request_id: str, context: list[int]) -> list[Evidence]:
+        """The occurrences, in the request's own context and the cache, of the context's
+        longest suffix that occurred anywhere (own ones first, then newest first)."""
+        own = self.contexts[request_id].index
+        found = [Evidence(own, p, n) for p, n in own.matches(context, self.max_match)]
+        if self.cache is not None:
+            found += [Evidence(self.cache, p, n) for p, n in self.cache.matches(context, self.max_match)]
+        longest = max((e.match_length for e in found), default=0)
+        return [e for e in found if e.match_length == longest]
+
+    def forget_cached(self) -> None:
+        if self.cache is not None:
+            self.cache.clear()
+
+    def free(self, request_id: str) -> None:
+        """Forget the request; its output (and the prompt tokens just before it) go to the cache."""
+        state = self.contexts.pop(request_id, None)
+        if state is None or self.cache is None:
+            return
+        start = max(0, state.output_start - self.max_match)
+        self.cache.add(state.index.read(start, state.index.end))
