@@ -55,7 +55,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured outputs: invalid {_kind(params)}: {matcher.get_error()}")
-        return Grammar(matcher, self.vocab_size, eos_token_ids)
+        return Grammar(matcher, self.vocab_size, eos_token_ids, self._tokenizer)
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -83,8 +83,10 @@ def _kind(params: StructuredOutputsParams) -> str:
 class Grammar:
     """One request's grammar, in step with its committed output tokens."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: set[int]) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: set[int],
+                 tokenizer: llguidance.LLTokenizer) -> None:
         self._matcher = matcher
+        self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = torch.tensor(sorted(t for t in eos_token_ids if t < vocab_size), dtype=torch.long)
         self._eos_ids = set(eos_token_ids)
@@ -108,8 +110,19 @@ class Grammar:
         return [] if self._ended else list(tokens)
 
     def forced_tokens(self) -> list[int]:
-        """Tokens the grammar allows as the only continuation right now (jump-forward)."""
-        return list(self._matcher.compute_ff_tokens())
+        """Tokens the grammar forces next (jump-forward). Where the forced text could still
+        merge with what follows into other tokens (a JSON string's opening quote), no token
+        is forced: the text's own tokenization is then the guess, as a model mostly writes
+        it so. Either way only a draft: verification decides."""
+        forced = list(self._matcher.compute_ff_tokens())
+        if forced:
+            return forced
+        text = self._matcher.compute_ff_bytes()
+        guess = list(self._tokenizer.tokenize_bytes(text)) if text else []
+        valid = self._matcher.try_consume_tokens(guess) if guess else 0
+        if valid:
+            self._matcher.rollback(valid)
+        return guess[:valid]
 
     def masks(self, paths: Sequence[Sequence[int]]) -> Tensor:  # [len(paths), V] bool, True = allowed
         """The allowed tokens after the committed output followed by each path of drafts.

@@ -12,10 +12,12 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.sampling_params import StructuredOutputsParams
+from specdec.structured_output import GrammarCompiler
 from tests.helpers import NGRAM, assert_all_blocks_free, random_prompts, token_ids
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 99},
                          "tags": {"type": "array", "items": {"enum": ["a", "bc"]}, "maxItems": 3}}}
 CONSTRAINTS = {
     "json": StructuredOutputsParams(json=SCHEMA),
@@ -156,3 +158,18 @@ def test_ignore_eos_pads_a_complete_grammar_with_eos_in_both_modes(plain: LLM, n
     for out in expected:
         assert len(out) == 12 and out[-1] in eos
     assert token_ids(ngram.generate(prompts, params)) == expected
+
+
+def test_forced_text_is_drafted_up_to_a_string_value(plain: LLM) -> None:
+    """Keys, punctuation and a string's opening quote are all forced text: following the
+    forced drafts alone writes `{"name":"` (the quote is guessed from its own tokenization,
+    as no token is forced while it could still merge with the value)."""
+    compiler = GrammarCompiler(plain.get_tokenizer(), plain.engine.model_config.vocab_size)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+              "additionalProperties": False}
+    grammar = compiler.grammar(StructuredOutputsParams(json=schema), plain.engine.eos_token_ids)
+    output: list[int] = []
+    while forced := grammar.forced_tokens():
+        output += forced
+        grammar.advance(output)
+    assert plain.get_tokenizer().decode(output) == '{"name":"'

@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 from specdec.cli import build_parser, main
 from specdec.server import ray_launch
 from specdec.server.asgi_relay import ForwardedRequest, ResponseHead, relay
-from specdec.server.ray_app import Scaling, engine_value, app_builder
+from specdec.server.ray_app import Scaling, app_builder, engine_value
 from specdec.server.ray_ingress import respond
 from specdec.server.ray_metrics import merge_pages
 from specdec.server.ray_replica import REPLICA_HEADER
