@@ -11,7 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +69,23 @@ def write_model_manifest(model_dir: Path, model: str) -> None:
     files = sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != MODEL_MANIFEST)
     records = {p.relative_to(model_dir).as_posix(): file_record(p) for p in files}
     write_json_atomic(model_dir / MODEL_MANIFEST, {"version": 1, "model": model, "files": records})
+
+
+@contextmanager
+def model_dir_written(target: Path, model: str) -> Iterator[Path]:
+    """A fresh directory beside `target` to write a model into. When the block ends
+    normally its manifest is written and it replaces `target` whole, so no reader sees a
+    half-written model; on an error it is removed and `target` stays as it was."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+    try:
+        yield partial
+        write_model_manifest(partial, model)
+        if target.exists():
+            shutil.rmtree(target)
+        partial.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def verify_model_manifest(model_dir: Path) -> None:

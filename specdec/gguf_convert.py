@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from specdec.checksums import write_model_manifest
+from specdec.checksums import model_dir_written
 
 # llama.cpp tensor names → HF names; {i} is the layer index.
 _LAYER_NAMES = {
@@ -43,19 +41,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config = meta["config"]
     if config.get("model_type") != "llama":
         raise ValueError(f"GGUF architecture {config.get('model_type')!r} is not supported (llama only)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
-    try:
+    with model_dir_written(out_dir, out_dir.name) as tmp:
         reader = gguf.GGUFReader(str(gguf_path))
         save_file(_tensors(reader, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _write_config(tmp, config)
         _write_tokenizer(gguf_path, tmp)
-        write_model_manifest(tmp, out_dir.name)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _tensors(reader, config: dict) -> dict[str, torch.Tensor]:

@@ -16,11 +16,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.checksums import verify_model_manifest, write_model_manifest
+from specdec.checksums import model_dir_written, verify_model_manifest
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -97,16 +96,8 @@ def keep_gguf(known: KnownModel, force: bool = False) -> Path:
     target = gguf_cache_dir(known.name)
     if (target / known.gguf_file).is_file() and not force:
         return target / known.gguf_file
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
-    try:
+    with model_dir_written(target, known.name) as partial:
         shutil.copyfile(_gguf_path(known), partial / known.gguf_file)
-        write_model_manifest(partial, known.name)
-        if target.exists():
-            shutil.rmtree(target)
-        partial.rename(target)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     return target / known.gguf_file
 
 

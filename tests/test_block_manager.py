@@ -85,12 +85,18 @@ def test_double_free_is_caught() -> None:
         raise AssertionError("double free not detected")
 
 
+def computed_and_cached(bm: BlockManager, tokens: list[int]) -> Request:
+    """A request whose tokens are all in the KV cache, its full blocks in the prefix cache."""
+    request = new_request(0, tokens)
+    bm.allocate(request, len(tokens))
+    request.num_computed_tokens = len(tokens)
+    bm.cache_blocks(request)
+    return request
+
+
 def test_prefix_blocks_are_shared_and_survive_their_owner() -> None:
     bm = BlockManager(8, BLOCK, True)
-    first = new_request(0, list(range(10)))
-    bm.allocate(first, 10)
-    first.num_computed_tokens = 10
-    bm.cache_blocks(first)
+    first = computed_and_cached(bm, list(range(10)))
     second = new_request(1, list(range(9)) + [99])
     bm.match_prefix(second)
     assert second.num_computed_tokens == 8 and second.block_table == first.block_table[:2]
@@ -104,11 +110,7 @@ def test_prefix_blocks_are_shared_and_survive_their_owner() -> None:
 
 def test_forget_cached_drops_entries_not_kept() -> None:
     bm = BlockManager(8, BLOCK, True)
-    first = new_request(0, list(range(10)))
-    bm.allocate(first, 10)
-    first.num_computed_tokens = 10
-    bm.cache_blocks(first)
-    bm.free(first)
+    bm.free(computed_and_cached(bm, list(range(10))))
     bm.forget_cached(keep=set())
     again = new_request(1, list(range(10)))
     bm.match_prefix(again)

@@ -1,7 +1,7 @@
 """`specdec models pull` records a checksum of every file it writes, and resolving the model
 checks them: damaged weights are a clear error, not garbage output (issue 23, defect 9).
 Directories without a manifest (brought by a user, or pulled before manifests) load as
-before. The pull converts a tiny GGUF written here from the tiny checkpoint: no network."""
+before. The pull converts a tiny GGUF of the tiny checkpoint (tests/models/test_gguf_load.py): no network."""
 from __future__ import annotations
 
 import json
@@ -9,63 +9,17 @@ import os
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 from specdec import LLM, SamplingParams, model_registry
 from specdec.checksums import MODEL_MANIFEST, CorruptModelError, sha256_file
-
-# HF tensor names (after "model.layers.{i}.") -> llama.cpp's, as llama.cpp's converter names them.
-_GGUF_LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-_GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-
-
-def _gguf_name(hf_name: str) -> str:
-    if hf_name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[hf_name]
-    _, _, layer, *module, kind = hf_name.split(".")
-    return f"blk.{layer}.{_GGUF_LAYER_NAMES['.'.join(module)]}.{kind}"
-
-
-def make_gguf(path: Path, model_dir: Path) -> Path:
-    """An fp32 llama GGUF (weights and BPE tokenizer) of an HF checkpoint directory."""
-    import gguf
-
-    config = json.loads((model_dir / "config.json").read_text())
-    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())["model"]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_dimension_count(config["head_dim"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(sorted(tokenizer["vocab"], key=tokenizer["vocab"].get))
-    writer.add_token_types([1] * len(tokenizer["vocab"]))
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["merges"]])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
-    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
-        writer.add_tensor(_gguf_name(name), tensor.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+from tests.models.test_gguf_load import write_gguf
 
 
 @pytest.fixture
 def pulled(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The default model's name pulled into a fresh model cache, from a GGUF of the tiny
     checkpoint (kernels stay in their usual cache: building them again would be slow)."""
-    gguf_file = make_gguf(tmp_path / "tiny.gguf", tiny_model_dir)
+    gguf_file = write_gguf(tmp_path / "tiny.gguf", tiny_model_dir)
     monkeypatch.setattr(model_registry, "model_cache_dir", lambda name: tmp_path / "models" / name)
     monkeypatch.setattr(model_registry, "_gguf_path", lambda known: gguf_file)
     return model_registry.pull(model_registry.DEFAULT_MODEL)
