@@ -13,6 +13,7 @@ from specdec.sampling_params import SamplingParams
 from specdec.tree import DraftTree
 
 if TYPE_CHECKING:
+    from specdec.adaptive import CostModel
     from specdec.block_manager import BlockManager
     from specdec.model_runner import ModelRunner
     from specdec.models import LlamaForCausalLM
@@ -76,3 +77,6 @@ class DrafterContext:
     allocate_kv: Callable[[LlamaForCausalLM, int], tuple[ModelRunner, BlockManager]]
     num_kv_blocks: int  # the target's KV blocks
     max_num_seqs: int
+    # The target's measured forward cost (adaptive speculation), for drafters that weigh
+    # their guesses against it; None when speculation is not adaptive.
+    cost: CostModel | None = None

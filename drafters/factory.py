@@ -14,6 +14,13 @@ def build_drafter(context: DrafterContext) -> Drafter:
         from specdec.drafters.suffix import SuffixDrafter
 
         return SuffixDrafter(spec)
+    if spec.method == "hybrid":
+        from specdec.drafters.hybrid import HybridDrafter
+        from specdec.drafters.medusa import build_recurrent_heads
+        from specdec.drafters.suffix import SuffixDrafter
+
+        heads = build_recurrent_heads(context) if spec.model else None
+        return HybridDrafter(SuffixDrafter(spec), heads, context.cost)
     if spec.method == "draft_model":
         from specdec.drafters.draft_model import DraftModelDrafter
 

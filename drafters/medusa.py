@@ -66,9 +66,9 @@ def load_heads(path: Path, lm_head: torch.Tensor,
     return MedusaHeads(weights, biases, compute_logits)
 
 
-def _recurrent(context: DrafterContext, path: Path, choices: list[Choice], dynamic: bool) -> Drafter:
+def _recurrent(context: DrafterContext, path: Path, choices: list[Choice], dynamic: bool,
+               branching: bool) -> RecurrentDrafter:
     model = context.target
-    branching = context.spec.num_tree_nodes > 0
     heads, vocab = recurrent_heads.load(path, model.embed_tokens.dtype, model.embed_tokens.device)
     if heads.mix.in_features != 2 * model.embed_tokens.shape[1]:
         raise ValueError(f"recurrent Medusa heads in {path} have hidden size {heads.mix.in_features // 2}, "
@@ -118,9 +118,20 @@ def build_medusa(context: DrafterContext) -> Drafter:
     path = resolve_heads_dir(spec.model)
     choices = [tuple(c) for c in spec.tree_choices or _measured_choices(path)] or DEFAULT_CHOICES
     if json.loads((path / "medusa_config.json").read_text()).get("head_type") == recurrent_heads.HEAD_TYPE:
-        return _recurrent(context, path, choices, dynamic=spec.tree_choices is None)
+        return _recurrent(context, path, choices, dynamic=spec.tree_choices is None,
+                          branching=spec.num_tree_nodes > 0)
     heads = load_heads(path, context.target.lm_head_weight, context.target.compute_logits)
     return MedusaDrafter(heads, choices, branching=spec.num_tree_nodes > 0)
+
+
+def build_recurrent_heads(context: DrafterContext) -> RecurrentDrafter:
+    """The recurrent heads of `model` (a directory or shipped name) drafting EAGLE-2 dynamic
+    trees, for hybrid drafting."""
+    path = resolve_heads_dir(context.spec.model)
+    if json.loads((path / "medusa_config.json").read_text()).get("head_type") != recurrent_heads.HEAD_TYPE:
+        raise ValueError(f"hybrid drafting needs recurrent Medusa heads (medusa_config.json \"head_type\": "
+                         f"\"{recurrent_heads.HEAD_TYPE}\"), and {path} holds other heads")
+    return _recurrent(context, path, list(DEFAULT_CHOICES), dynamic=True, branching=True)
 
 
 class MedusaDrafter(Drafter):

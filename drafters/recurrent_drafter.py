@@ -23,7 +23,7 @@ from specdec.drafters.base import Drafter, DraftRequest
 from specdec.drafters.recurrent_heads import RecurrentHeads
 from specdec.drafters.tree_choices import Choice
 from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
-from specdec.tree import Candidate, DraftTree, expand_layer
+from specdec.tree import Candidate, DraftTree, ScoredDraft, expand_layer
 
 DYNAMIC_WIDTH = 10  # nodes expanded per depth, and children considered per node (EAGLE-2's top-k)
 
@@ -141,11 +141,17 @@ class RecurrentDrafter(Drafter):
         return [DraftTree([n.token for n in ns], [n.parent for n in ns]) for ns in nodes]
 
     def _dynamic_trees(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        return [draft.tree for draft in self.scored_trees(requests)]
+
+    @torch.inference_mode()
+    def scored_trees(self, requests: list[DraftRequest]) -> list[ScoredDraft]:
+        """EAGLE-2 dynamic trees with each node's draft path probability (requests must
+        have their target hidden state)."""
         growths = [_Growth(r.token_ids[-1], self._depth(r), min(DYNAMIC_WIDTH, r.num_draft_tokens),
                            states=[r.target_hidden()]) for r in requests]
         for depth in range(1, 1 + max((g.depth for g in growths), default=0)):
             self._expand([g for g in growths if g.depth >= depth])
-        return [DraftTree.from_expansion(g.root, g.candidates, r.num_draft_tokens)
+        return [ScoredDraft.from_expansion(g.root, g.candidates, r.num_draft_tokens)
                 for g, r in zip(growths, requests)]
 
     def _expand(self, growths: list[_Growth]) -> None:

@@ -27,8 +27,8 @@ from specdec.config import SpeculativeConfig
 from specdec.drafters.base import Drafter, DraftRequest
 from specdec.drafters.suffix_cache import SuffixCache
 from specdec.drafters.suffix_index import SuffixIndex
-from specdec.drafters.suffix_tree import SuffixDraft, build_draft
-from specdec.tree import DraftTree
+from specdec.drafters.suffix_tree import build_draft
+from specdec.tree import DraftTree, ScoredDraft
 
 
 @dataclass
@@ -61,7 +61,7 @@ class SuffixDrafter(Drafter):
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         return [self.draft(request).tree for request in requests]
 
-    def draft(self, request: DraftRequest) -> SuffixDraft:
+    def draft(self, request: DraftRequest) -> ScoredDraft:
         """The request's draft tree and each node's empirical probability."""
         context = request.token_ids
         self.observe(request.request_id, context)

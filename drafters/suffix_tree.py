@@ -10,29 +10,22 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from specdec.tree import DraftTree
-
-
-@dataclass(frozen=True)
-class SuffixDraft:
-    tree: DraftTree
-    probs: list[float]  # [N] each node's empirical probability; the root's is 1
+from specdec.tree import DraftTree, ScoredDraft
 
 
 def build_draft(root: int, continuations: Sequence[Sequence[int]], num_draft_tokens: int,
-                min_prob: float) -> SuffixDraft:
+                min_prob: float) -> ScoredDraft:
     """At most num_draft_tokens nodes of probability >= min_prob, in priority order (most
     probable first; ties: shallower first, then in the order their parents were made)."""
     total = len(continuations)
     if total == 0 or num_draft_tokens < 1:
-        return SuffixDraft(DraftTree.chain([root]), [1.0])
+        return ScoredDraft.root_only(root)
     tokens, parents, depths, counts = _count_trie(continuations, min_prob)
     order = sorted(range(1, len(tokens)), key=lambda i: (-counts[i], depths[i], i))[:num_draft_tokens]
     new_index = {0: 0} | {old: new for new, old in enumerate(order, start=1)}
     tree = DraftTree([root] + [tokens[i] for i in order], [-1] + [new_index[parents[i]] for i in order])
-    return SuffixDraft(tree, [1.0] + [counts[i] / total for i in order])
+    return ScoredDraft(tree, [1.0] + [counts[i] / total for i in order])
 
 
 def _count_trie(continuations: Sequence[Sequence[int]],

@@ -104,11 +104,14 @@ def record_key(record: dict[str, Any]) -> Key:
 # ---- configs and prompts -----------------------------------------------------------------
 
 
-def parse_configs(specs: list[str], draft_model: str | None) -> dict[str, dict[str, Any]]:
-    """Label -> speculative_config, from preset names or JSON strings."""
+def parse_configs(specs: list[str], draft_model: str | None, model: str) -> dict[str, dict[str, Any]]:
+    """Label -> speculative_config, from preset names ("default": what the engine runs when
+    given none, for `model` on the CPU) or JSON strings."""
     configs: dict[str, dict[str, Any]] = {}
     for spec in specs:
-        if spec in PRESETS:
+        if spec == "default":
+            label, config = spec, default_config(model)
+        elif spec in PRESETS:
             label, config = spec, dict(PRESETS[spec])
         else:
             config = json.loads(spec)
@@ -121,6 +124,22 @@ def parse_configs(specs: list[str], draft_model: str | None) -> dict[str, dict[s
             raise ValueError(f"two configs are labelled {label!r}; add a \"name\" to the JSON")
         configs[label] = config
     return configs
+
+
+def default_config(model: str) -> dict[str, Any]:
+    """The engine's default speculative_config for `model` on the CPU, as the keys that
+    differ from SpeculativeConfig's defaults."""
+    import dataclasses
+
+    import torch
+
+    from specdec.config import SpeculativeConfig, default_speculative_config
+
+    config = default_speculative_config(model, torch.device("cpu"))
+    assert config is not None
+    defaults = SpeculativeConfig(method=config.method)
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if f.name == "method" or getattr(config, f.name) != getattr(defaults, f.name)}
 
 
 def _shipped_weights(name: str) -> Path:

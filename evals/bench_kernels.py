@@ -13,8 +13,10 @@ Backends are packed once and swapped in turn on one model, so every (context, qu
 length) point is measured alternately across backends and machine noise hits them alike;
 each number is the median over --repeats rounds of the mean of a few calls. Besides the
 backends of kernels/linear.py (q8_0, q4_0 and q4_1 quantize the fp32 weights at load),
-"gguf" runs the model's own GGUF blocks (quantization="gguf"; --no-gguf to skip), and a
-summary gives each backend's 1-token, 1+5 and 1+8-token verify forwards and their ratios.
+"gguf" runs the model's own GGUF blocks (quantization="gguf"; --no-gguf to skip) and
+"gguf-int8" the same blocks with int8 activations (quantized_activations="int8", lossy;
+--no-int8 to skip), and a summary gives each backend's 1-token, 1+5 and 1+8-token verify
+forwards and their ratios. `--backends ""` times those two alone.
 
     SPECDEC_HOME=/tmp/sdhome python evals/bench_kernels.py --threads 2 --json /tmp/kernels.json
 
@@ -61,7 +63,7 @@ def _ints(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--backends", default=None, type=lambda s: s.split(","),
+    parser.add_argument("--backends", default=None, type=lambda s: [b for b in s.split(",") if b],
                         help="comma-separated; default: every backend available here")
     parser.add_argument("--attention-backends", default=["auto"], type=lambda s: s.split(","),
                         help="engine attention_backend values to time side by side (auto, cpp, torch)")
@@ -73,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gguf", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the model's own GGUF blocks (backend 'gguf')")
+    parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
+                        help="and those blocks with int8 activations (backend 'gguf-int8')")
     parser.add_argument("--skip-micro", action="store_true")
     parser.add_argument("--skip-model", action="store_true")
     parser.add_argument("--skip-invariance", action="store_true", help="and the accuracy check")
@@ -245,8 +249,9 @@ def bench_micro(model: LlamaForCausalLM, backends: list[str], args: argparse.Nam
         impls = {name: get_linear_backend(name) for name in backends}
         packed = {name: impl.prepare(weight) for name, impl in impls.items()}
         if proj in gguf_weights:
-            impls["gguf"] = GgufLinear()
-            packed["gguf"] = impls["gguf"].prepare(gguf_weights[proj])
+            for name, gguf in _gguf_backends(args).items():
+                impls[name] = gguf
+                packed[name] = gguf.prepare(gguf_weights[proj])
         points: dict[Any, Point] = {}
         for m in args.micro_rows:
             x = torch.randn(m, weight.shape[1])
@@ -326,6 +331,11 @@ def gguf_model(args: argparse.Namespace, max_positions: int) -> LlamaForCausalLM
     return load_model(path, max_positions=max_positions, quantization="gguf")
 
 
+def _gguf_backends(args: argparse.Namespace) -> dict[str, GgufLinear]:
+    """The GGUF blocks' backends to time: float32 activations, and int8 unless --no-int8."""
+    return {"gguf": GgufLinear(), **({"gguf-int8": GgufLinear("int8")} if args.int8 else {})}
+
+
 def invariance_table(results: dict[str, Any], context: int, num_query: int) -> str:
     rows = [[name, f"{r['max_abs_diff']:.2e}", r["bitwise_equal"], r["argmax_equal"]]
             for name, r in results.items()]
@@ -347,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the engine does: otherwise bigger steps also pay page faults
-    backends = args.backends or available_linear_backends()
+    backends = available_linear_backends() if args.backends is None else args.backends
     model_dir = resolve_model(args.model)
     max_positions = max(args.context_lens) + max(args.query_lens) + 1
     model = load_model(model_dir, max_positions=max_positions)
@@ -368,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not (args.skip_model and args.skip_invariance):
             packed = {name: pack_linears(model, get_linear_backend(name)) for name in backends}
             if blocks_model is not None:  # same module names: its packing installs on `model`
-                packed["gguf"] = pack_linears(blocks_model, GgufLinear())
+                packed.update({name: pack_linears(blocks_model, gguf) for name, gguf in _gguf_backends(args).items()})
             rig = VerifyRig(model, max(args.context_lens) + max(args.query_lens) + 1)
             if not args.skip_invariance:
                 context, q = args.context_lens[0], 9

@@ -32,8 +32,9 @@ from specdec.sampling_params import SamplingParams
 DRAFT_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-draft"
 MEDUSA_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-medusa"
 RECURRENT_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-medusa-recurrent"
-PRESETS: dict[str, dict[str, Any] | None] = {
+PRESETS: dict[str, dict[str, Any] | str | None] = {
     "plain": None,
+    "default": "auto",  # what the engine runs when given no speculative_config
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "ngram-k3": {"method": "ngram", "num_speculative_tokens": 3},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
@@ -57,11 +58,12 @@ PRESETS.update({f"medusa-rec{'' if k == 6 else f'-k{k}'}": {
 PRESETS.update({f"medusa-rec-tree{n}": {"method": "medusa", "num_speculative_tokens": 6, "num_tree_nodes": n,
                                          "model": str(RECURRENT_DIR)} for n in (6, 8, 16, 24, 64)})
 # "<preset>-adaptive": the same drafter with adaptive speculation (k chosen per step, down to 0).
-PRESETS.update({f"{name}-adaptive": {**config, "adaptive": True} for name, config in PRESETS.items() if config})
+PRESETS.update({f"{name}-adaptive": {**config, "adaptive": True} for name, config in PRESETS.items()
+                if isinstance(config, dict)})
 ENGINE_OPTIONS = {"attention": "attention_backend", "kv": "kv_cache_dtype", "linear": "linear_backend"}
 
 
-def parse_method(method: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
+def parse_method(method: str) -> tuple[dict[str, Any] | str | None, dict[str, str]]:
     """A method name -> (speculative config, LLM keyword arguments)."""
     preset, *options = method.split("@")
     if preset not in PRESETS:

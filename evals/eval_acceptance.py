@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     parser.add_argument("--configs", nargs="+", default=["ngram-k3", "ngram-k5"],
-                        help=f"presets ({', '.join(PRESETS)}) or speculative_config JSON; "
+                        help=f"presets (default: the engine's own, {', '.join(PRESETS)}) or speculative_config JSON; "
                              'a "name" key in the JSON labels it')
     parser.add_argument("--prompts", nargs="+", default=None,
                         help="categories (files in evals/prompts) or .jsonl paths; default: all")
@@ -95,7 +95,7 @@ def evaluate(args: argparse.Namespace, make_llm: MakeLLM | None = None) -> dict[
     from tqdm import tqdm
 
     make_llm = make_llm or default_llm
-    configs = parse_configs(args.configs, args.draft_model)
+    configs = parse_configs(args.configs, args.draft_model, args.model)
     prompts = load_prompts(args.prompts, args.num_prompts)
     num_prompts = sum(len(items) for items in prompts.values())
     hf_methods = num_methods(args.draft_model) if args.hf_baselines else 0

@@ -9,7 +9,12 @@
   output; a float weight (an F16 tensor, a drafter's heads) on the C++ fp16 kernel.
 
 All are batch invariant and exact over their blocks: each weight is gguf's dequantized
-value and the sums are float32 (kernels/reference.py's linear_gguf is the oracle).
+value and the sums are float32 (kernels/reference.py's linear_gguf is the oracle). Built
+with `activations="int8"` (EngineConfig.quantized_activations, opt-in and lossy) they
+quantize each activation row to int8 per 32-value block first and sum exactly in integer
+SIMD (linear_quant.py; oracle: reference.linear_gguf_int8): still batch invariant, so
+greedy speculation stays equal to plain decoding in that mode, and extra verified rows
+cost much less. Float weights stay on the fp16 kernel either way.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from torch import Tensor
 from specdec.kernels.gguf_blocks import quantize
 from specdec.kernels.linear_base import LinearBackend, as_fp32_or_none
 from specdec.kernels.linear_cpu import CppFp16Linear
-from specdec.kernels.linear_quant import PackedQuant, auto_isa, builds, linear_quant, pack
+from specdec.kernels.linear_quant import ACTIVATIONS, PackedQuant, auto_isa, builds, linear_quant, pack
 from specdec.kernels.quantized_tensor import QuantizedTensor
 
 Packed = tuple[tuple[PackedQuant, ...], Tensor | None]  # row segments, bias [out]
@@ -32,7 +37,10 @@ class GgufLinear(LinearBackend):
 
     name, rel_tol, batch_invariant = "gguf", 1e-5, True
 
-    def __init__(self) -> None:
+    def __init__(self, activations: str = "float32") -> None:
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations {activations!r} is not one of {list(ACTIVATIONS)}")
+        self.activations = activations
         self.floats = CppFp16Linear()
 
     @classmethod
@@ -49,14 +57,17 @@ class GgufLinear(LinearBackend):
             return self.floats.apply(x, packed[1])
         parts, bias = packed
         if len(parts) == 1:
-            return linear_quant(x, parts[0], bias)
+            return linear_quant(x, parts[0], bias, activations=self.activations)
         out = x.new_empty(x.shape[0], sum(part.rows for part in parts))
         column = 0
         for part in parts:
             part_bias = None if bias is None else bias[column : column + part.rows]
-            linear_quant(x, part, part_bias, out=out, column=column)
+            linear_quant(x, part, part_bias, out=out, column=column, activations=self.activations)
             column += part.rows
         return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(activations={self.activations!r})"
 
 
 class QuantLinear(GgufLinear):

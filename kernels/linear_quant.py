@@ -9,6 +9,14 @@ in registers to exactly gguf's dequantized values and multiplies in float32, eve
 a call sharing each decoded block; a fixed accumulation order makes it batch invariant
 and makes its AVX2 and AVX-512 variants agree bit for bit. `isa` picks the variant:
 "auto" (the widest the CPU and the build flags allow), "avx2" or "avx512".
+
+`activations="int8"` (opt-in, lossy) quantizes each activation row to int8 per 32-value
+block (one float32 scale each, as ggml's Q8_0 activations) and sums the byte products
+exactly in integer SIMD, one float32 step per block: rows cost a fraction of float32's,
+so a verify forward of several tokens costs much less more than a decode step. It is
+batch invariant too, and its variants agree bit for bit: "avx2", "avx512" (with VNNI
+where the CPU has it) and "avx512bw" (without VNNI, for tests); kernels/reference.py's
+linear_gguf_int8 is its oracle.
 """
 from __future__ import annotations
 
@@ -28,7 +36,9 @@ _ARGTYPES = [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ct
              ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32]
 _DEQUANTIZE_ARGTYPES = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                         ctypes.c_void_p]
-ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
+ISAS = {"auto": 0, "avx2": 1, "avx512": 2, "avx512bw": 3}  # the exact kernel runs "avx512" for "avx512bw"
+ACTIVATIONS = ("float32", "int8")
+_SYMBOLS = {"float32": "specdec_linear_quant", "int8": "specdec_linear_quant_int8"}
 GROUP = 4  # rows whose blocks the kernel reads interleaved (csrc/linear_quant_blocks.h)
 
 
@@ -71,9 +81,15 @@ def auto_isa() -> str:
 
 
 def cpu_runs(isa: str) -> bool:
-    """Whether this CPU runs the kernel variant `isa` ("avx2" or "avx512")."""
+    """Whether this CPU runs the kernel variant `isa` ("avx2", "avx512" or "avx512bw")."""
     has = cpu_build.function(_LIBRARY, "specdec_quant_cpu_has", [ctypes.c_int32], ctypes.c_int32)
     return bool(has(ISAS[isa]))
+
+
+@functools.cache
+def int8_uses_vnni() -> bool:
+    """Whether the int8 kernel's "avx512" variant sums with AVX512-VNNI here."""
+    return bool(cpu_build.function(_LIBRARY, "specdec_quant_int8_vnni", [], ctypes.c_int32)())
 
 
 def linear_quant(
@@ -83,9 +99,11 @@ def linear_quant(
     isa: str = "auto",
     out: Tensor | None = None,  # [M, >= column + N] float32, contiguous: written in place
     column: int = 0,
+    activations: str = "float32",
 ) -> Tensor:  # [M, N] float32: out's columns [column, column + N), else new and contiguous
-    """x @ weight.T (+ bias), with weight's exact dequantized values and float32 sums."""
-    _check(x, weight, bias, isa)
+    """x @ weight.T (+ bias), with weight's exact dequantized values: float32 sums, or
+    for activations "int8" x quantized per 32-value block and exact integer sums."""
+    _check(x, weight, bias, isa, activations)
     if out is None:
         out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
     elif not (out.dtype == torch.float32 and out.is_contiguous() and out.shape[0] == x.shape[0]
@@ -96,7 +114,7 @@ def linear_quant(
         return out[:, column : column + weight.rows]
     # Rows padded to whole blocks meet zero activations (see gguf_blocks).
     x = F.pad(x, (0, weight.padded_cols - weight.cols)) if weight.padded_cols != weight.cols else x.contiguous()
-    multiply = cpu_build.function(_LIBRARY, "specdec_linear_quant", _ARGTYPES, ctypes.c_int32)
+    multiply = cpu_build.function(_LIBRARY, _SYMBOLS[activations], _ARGTYPES, ctypes.c_int32)
     status = multiply(weight.format_id, ISAS[isa], x.data_ptr(), x.shape[0], x.shape[1], weight.groups.data_ptr(),
                       weight.rows, None if bias is None else bias.data_ptr(), out[:, column:].data_ptr(),
                       out.shape[1], torch.get_num_threads())
@@ -105,12 +123,14 @@ def linear_quant(
     return out[:, column : column + weight.rows]
 
 
-def _check(x: Tensor, weight: PackedQuant, bias: Tensor | None, isa: str) -> None:
+def _check(x: Tensor, weight: PackedQuant, bias: Tensor | None, isa: str, activations: str) -> None:
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != weight.cols:
         raise ValueError(f"linear_quant needs float32 x of shape [M, {weight.cols}], got {x.dtype} "
                          f"{tuple(x.shape)}")
     if isa not in ISAS:
         raise ValueError(f"isa {isa!r} is not one of {sorted(ISAS)}")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations {activations!r} is not one of {list(ACTIVATIONS)}")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.rows,)):
         raise ValueError(f"bias must be float32 of shape [{weight.rows}], got {bias.dtype} {tuple(bias.shape)}")
 

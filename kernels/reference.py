@@ -44,6 +44,35 @@ def linear_gguf(x: torch.Tensor,  # [M, in]
     return linear(x, dequantize_gguf(blocks, ggml_type, x.shape[1]), bias)
 
 
+def quantize_activations_int8(x: torch.Tensor,  # [M, K] float32, K a multiple of 32
+                              ) -> tuple[torch.Tensor, torch.Tensor]:  # [M, K] int8, [M, K / 32] float32
+    """Each row's 32-value blocks in int8 with one float32 scale d each, as ggml quantizes
+    activations: d = max |x| / 127, q = x * (1 / d) rounded to nearest, ties to even (d = 0,
+    q = 0 for a block of zeros). Each step is computed in float64 and rounded to float32,
+    which is exactly the float32 operation (float64 holds float32 products and quotients
+    with room to round once)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32).double()
+    scale = (blocks.abs().amax(-1) / 127).float()
+    inverse = torch.where(scale != 0, 1 / scale.double(), 0.0).float()
+    quants = torch.round((blocks * inverse.double()[..., None]).float())
+    return quants.to(torch.int8).reshape(x.shape), scale
+
+
+def linear_gguf_int8(x: torch.Tensor,  # [M, in]
+                     blocks: torch.Tensor,  # [out, row bytes] uint8 GGUF blocks of an [out, in] weight
+                     ggml_type: GGMLQuantizationType,
+                     bias: torch.Tensor | None = None,  # [out]
+                     ) -> torch.Tensor:  # [M, out] float64
+    """What the int8-activation kernel computes, in float64: x quantized to int8 blocks
+    (x padded with zeros to whole blocks), dequantized (q * d) and multiplied by the
+    dequantized GGUF weight, + bias. The kernel differs only by its float32 step per block."""
+    cols = x.shape[1]
+    padded = -(-cols // 32) * 32
+    quants, scale = quantize_activations_int8(torch.nn.functional.pad(x.float(), (0, padded - cols)))
+    dequantized = quants.double().reshape(x.shape[0], -1, 32) * scale.double()[..., None]
+    return linear(dequantized.reshape(x.shape[0], padded)[:, :cols], dequantize_gguf(blocks, ggml_type, cols), bias)
+
+
 def rms_norm(x: torch.Tensor,  # [..., D]
              weight: torch.Tensor,  # [D]
              eps: float) -> torch.Tensor:  # [..., D] float64

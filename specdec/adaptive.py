@@ -58,16 +58,20 @@ class CostModel:
     def __init__(self, sizes: list[int], seconds: list[float]) -> None:
         self.sizes = sizes  # calibrated token counts and their forward times
         self.seconds = seconds
-        self.calibration = _LineFit()  # the calibration points, a light prior
+        self.calibration = LineFit()  # the calibration points, a light prior
         for size, time_s in zip(sizes, seconds):
             self.calibration.add(size, time_s, weight=PRIOR_WEIGHT / len(sizes), discount=1.0)
-        self.calibration_line = self.calibration.line(_LineFit())
-        self.fit = _LineFit()
+        self.calibration_line = self.calibration.line(LineFit())
+        self.fit = LineFit()
         self.draft_seconds_per_depth = 0.0
 
-    def forward_time(self, num_tokens: int) -> float:
+    def forward_time(self, num_tokens: float) -> float:
         intercept, slope = self.fit.line(self._prior())
         return max(intercept + slope * num_tokens, 1e-6)
+
+    def slope(self) -> float:
+        """Seconds one more query token adds to a forward."""
+        return self.fit.line(self._prior())[1]
 
     def draft_time(self, depth: int) -> float:
         return self.draft_seconds_per_depth * depth
@@ -83,7 +87,7 @@ class CostModel:
         if depth > 0:
             self.draft_seconds_per_depth += CORRECTION_RATE * (seconds / depth - self.draft_seconds_per_depth)
 
-    def _prior(self) -> _LineFit:
+    def _prior(self) -> LineFit:
         """The calibration points, rescaled to the level of the measured steps: the
         calibration gives the curve's shape, the measurements its height."""
         if self.fit.w == 0:
@@ -94,7 +98,7 @@ class CostModel:
 
 
 @dataclass
-class _LineFit:
+class LineFit:
     """Discounted sums for a weighted least-squares line y = a + b x."""
 
     w: float = 0.0
@@ -110,11 +114,11 @@ class _LineFit:
         self.xx = discount * self.xx + weight * x * x
         self.xy = discount * self.xy + weight * x * y
 
-    def scaled(self, factor: float) -> _LineFit:
+    def scaled(self, factor: float) -> LineFit:
         """The same points with every y multiplied by factor."""
         return replace(self, y=self.y * factor, xy=self.xy * factor)
 
-    def line(self, prior: _LineFit) -> tuple[float, float]:
+    def line(self, prior: LineFit) -> tuple[float, float]:
         """(intercept, slope) over these points and the prior's; the slope is never negative."""
         w, x, y = self.w + prior.w, self.x + prior.x, self.y + prior.y
         xx, xy = self.xx + prior.xx, self.xy + prior.xy
@@ -142,6 +146,7 @@ class _Counts:
     later_misses: float  # verifies that stopped after accepting at least one but not all
     accepted_tokens: float = 0.0  # accepted draft tokens of all verifies
     verifies: float = 0.0
+    nodes: float = 0.0  # draft nodes verified, of all verifies (a tree's size, not its depth)
     idle_steps: int = 0  # steps since its last draft (probing)
 
     @property
@@ -161,7 +166,12 @@ class _Counts:
         """Accepted draft tokens per verify: the worth of a whole (branching) draft."""
         return self.accepted_tokens / max(self.verifies, 1e-9)
 
-    def add(self, drafted: int, accepted: int, discount: float) -> None:
+    @property
+    def mean_nodes(self) -> float:
+        """Draft nodes per verify: what a whole draft costs in query tokens."""
+        return self.nodes / max(self.verifies, 1e-9)
+
+    def add(self, drafted: int, accepted: int, discount: float, nodes: int) -> None:
         self.first_hits = discount * self.first_hits + (accepted > 0)
         self.first_misses = discount * self.first_misses + (accepted == 0)
         if accepted > 0:
@@ -169,19 +179,20 @@ class _Counts:
             self.later_misses = discount * self.later_misses + (accepted < drafted)
         self.accepted_tokens = discount * self.accepted_tokens + accepted
         self.verifies = discount * self.verifies + 1
+        self.nodes = discount * self.nodes + nodes
 
     def seeded(self, weight: float) -> _Counts:
         """Fresh counts worth `weight` verifies at these rates."""
         first, later, gain = self.first, self.later, self.mean_accepted
         return _Counts(weight * first, weight * (1 - first), weight * later, weight * (1 - later),
-                       weight * gain, weight)
+                       weight * gain, weight, weight * self.mean_nodes)
 
 
 class AcceptanceStats:
     """Per-request acceptance estimates, seeded from the drafter's running totals."""
 
     def __init__(self) -> None:
-        self.total = _Counts(1.0, 1.0, 1.0, 1.0, accepted_tokens=1.0, verifies=1.0)
+        self.total = _Counts(1.0, 1.0, 1.0, 1.0, accepted_tokens=1.0, verifies=1.0, nodes=4.0)
         self.requests: dict[str, _Counts] = {}
 
     def get(self, request_id: str) -> _Counts:
@@ -191,11 +202,11 @@ class AcceptanceStats:
             self.requests[request_id] = counts
         return counts
 
-    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+    def observe(self, request_id: str, drafted: int, accepted: int, nodes: int) -> None:
         counts = self.get(request_id)
-        counts.add(drafted, accepted, REQUEST_DISCOUNT)
+        counts.add(drafted, accepted, REQUEST_DISCOUNT, nodes)
         counts.idle_steps = 0
-        self.total.add(drafted, accepted, GLOBAL_DISCOUNT)
+        self.total.add(drafted, accepted, GLOBAL_DISCOUNT, nodes)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -204,7 +215,7 @@ class AcceptanceStats:
 @dataclass
 class _Increment:
     index: int  # which limit it extends
-    tokens: int  # query tokens it adds to the forward
+    tokens: float  # query tokens it adds to the forward (expected, for a whole draft)
     gain: float  # committed tokens it adds, in expectation
     drafts: int  # the request's draft tokens once it is taken
 
@@ -229,14 +240,15 @@ class AdaptiveSpeculation(SpeculationPolicy):
         increments = []
         for i, limit in enumerate(limits):
             counts = self.stats.get(limit.request.request_id)
-            if self.whole_drafts:
-                increments.append(_Increment(i, limit.num_draft_tokens, counts.mean_accepted, limit.num_draft_tokens))
+            if self.whole_drafts:  # a drafter may offer fewer nodes than granted: its mean size is the cost
+                size = min(max(counts.mean_nodes, 1.0), limit.num_draft_tokens)
+                increments.append(_Increment(i, size, counts.mean_accepted, limit.num_draft_tokens))
             else:
                 increments += [_Increment(i, 1, counts.gain(d), d) for d in range(1, limit.max_depth + 1)]
         # Within one request gains fall with depth, so this order takes each one's depths in turn.
         return sorted(increments, key=lambda inc: (-inc.gain / inc.tokens, inc.drafts))
 
-    def _choose(self, increments: list[_Increment], tokens: int, gain: float) -> dict[int, int]:
+    def _choose(self, increments: list[_Increment], tokens: float, gain: float) -> dict[int, int]:
         """Draft tokens per limit index at the best expected tokens per second along the order."""
         drafts: dict[int, int] = {}
         # Speculate only for a clear predicted gain: the models are estimates, and a wrong
@@ -251,7 +263,7 @@ class AdaptiveSpeculation(SpeculationPolicy):
                 best, best_rate = dict(drafts), rate
         return best
 
-    def _step_time(self, tokens: int, max_drafts: int) -> float:
+    def _step_time(self, tokens: float, max_drafts: int) -> float:
         return self.cost.forward_time(tokens) + self.cost.draft_time(max_drafts)
 
     def _probe_or(self, limit: DraftLimit, drafts: int, probe_every: int) -> int:
@@ -273,8 +285,8 @@ class AdaptiveSpeculation(SpeculationPolicy):
             self.cost.observe_forward(report.num_query_tokens, report.forward_seconds)
         self.cost.observe_draft(report.max_draft_depth, report.draft_seconds)
 
-    def observe_verify(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
-        self.stats.observe(request_id, num_drafted, num_accepted)
+    def observe_verify(self, request_id: str, num_drafted: int, num_accepted: int, num_nodes: int) -> None:
+        self.stats.observe(request_id, num_drafted, num_accepted, num_nodes)
 
     def forget(self, request_id: str) -> None:
         self.stats.forget(request_id)

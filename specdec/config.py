@@ -11,7 +11,12 @@ import torch
 
 from specdec.model_registry import DEFAULT_MODEL, model_cache_dir
 
-METHODS = ("ngram", "suffix", "draft_model", "medusa")
+METHODS = ("ngram", "suffix", "hybrid", "draft_model", "medusa")
+# The default speculation (default_speculative_config): trees of up to 16 nodes, 16 deep
+# (a long copied run is drafted whole; nodes not worth their verify row are cut).
+DEFAULT_HEADS = "smollm2-135m-medusa-recurrent"  # shipped in drafters/weights, for DEFAULT_MODEL
+DEFAULT_DRAFT_DEPTH = 16
+DEFAULT_TREE_NODES = 16
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k tokens of KV for the default model in fp16
 # KV cache storage dtypes (vLLM's --kv-cache-dtype). "auto" stores K/V in the model dtype,
 # except fp16 for a float32 model (llama.cpp's default cache type): half the memory and
@@ -27,7 +32,9 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 5
-    model: str | None = None  # draft model dir or known name (draft_model, medusa heads dir)
+    # draft_model: a draft model dir or known name; medusa: a heads dir or shipped name;
+    # hybrid: recurrent heads that join suffix decoding (None: suffix decoding alone)
+    model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     # Tree speculation: verify up to this many draft nodes per step (0: a chain of
@@ -82,18 +89,22 @@ class SpeculativeConfig:
             )
         if not 0 <= self.num_tree_nodes <= 64:
             raise ValueError(f"num_tree_nodes must be in [0, 64], got {self.num_tree_nodes}")
+        if self.method == "hybrid" and self.tree_choices is not None:
+            raise ValueError("speculative method 'hybrid' drafts dynamic trees: tree_choices applies to 'medusa' only")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative method 'draft_model' needs 'model': a draft model directory or name")
         self._validate_suffix()
 
     def _validate_suffix(self) -> None:
-        """The suffix_* keys: each in range, and set only for method 'suffix' (elsewhere they would do nothing)."""
+        """The suffix_* keys: each in range, and set only for methods 'suffix' and 'hybrid'
+        (elsewhere they would do nothing)."""
         defaults = SpeculativeConfig(method=self.method)
         names = [f.name for f in fields(self) if f.name.startswith("suffix_")]
-        if self.method != "suffix":
+        if self.method not in ("suffix", "hybrid"):
             stray = [name for name in names if getattr(self, name) != getattr(defaults, name)]
             if stray:
-                raise ValueError(f"speculative_config keys {stray} apply to method 'suffix' only, not {self.method!r}")
+                raise ValueError(f"speculative_config keys {stray} apply to methods 'suffix' and 'hybrid' only, "
+                                 f"not {self.method!r}")
             return
         checks: dict[str, tuple[Any, Any, str]] = {  # key: (type, range check, what is expected)
             "suffix_cache_max_requests": (int, lambda v: v >= 0, ">= 0 (0: no cross-request cache)"),
@@ -137,8 +148,10 @@ class EngineConfig:
     model: str = _option(DEFAULT_MODEL, "a known model name (see `specdec models pull`), a local Hugging Face "
                                         "model directory, or a .gguf file")
     speculative_config: SpeculativeConfig | None = _option(
-        None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'; '
-              "none: plain decoding")
+        "auto", 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'; '
+                "none: plain decoding; auto: on the CPU, adaptive hybrid drafting (suffix decoding, plus the "
+                "shipped recurrent heads for the default model), which falls back to plain decoding wherever "
+                "drafting does not pay; on CUDA, none")
     max_model_len: int = _option(4096, "most tokens (prompt and output) of one request; capped by the model's "
                                        "max_position_embeddings")
     max_num_batched_tokens: int = _option(2048, "most tokens one engine step runs (prefill chunks, decode and "
@@ -169,6 +182,12 @@ class EngineConfig:
                                         "own Q8_0/Q4_0/Q4_1 blocks on the C++ quantized kernels, no float copy), "
                                         "q8_0 | q4_0 | q4_1 (each projection quantized at load)",
                                 choices=("none", "gguf", "q8_0", "q4_0", "q4_1"))
+    quantized_activations: str = _option(
+        "float32", "activations of the quantized kernels (quantization other than none): float32 (exact: the "
+                   "float32 product with the dequantized weights), or int8 (opt-in and lossy: each activation row "
+                   "quantized per 32 values, as llama.cpp does, and summed in integer SIMD, so verifying draft "
+                   "tokens costs much less; output differs slightly from float32's, and speculation stays "
+                   "lossless with respect to plain decoding in the same mode)", choices=("float32", "int8"))
     attention_backend: str = _option("auto", "attention: the C++ paged kernel (cpp, CPU), plain torch (torch) or "
                                              "Triton (triton, CUDA); auto: triton on CUDA, else cpp where it "
                                              "builds, else torch",
@@ -186,7 +205,7 @@ class EngineConfig:
         uses: the one place engine options are converted."""
         _check_device(self.device)
         self.dtype = _as_dtype(self.dtype, self.torch_device, self.model)
-        self.speculative_config = _as_speculative_config(self.speculative_config)
+        self.speculative_config = _as_speculative_config(self.speculative_config, self.model, self.torch_device)
         if not self.kv_cache_memory and self.torch_device.type != "cuda":  # None, 0: "no preference"
             self.kv_cache_memory = DEFAULT_KV_CACHE_MEMORY
         self.kv_cache_memory = self.kv_cache_memory or 0
@@ -217,6 +236,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}")
         from specdec.kernels.linear import default_linear_backend, get_linear_backend
 
+        if self.quantized_activations not in ("float32", "int8"):
+            raise ValueError(f"quantized_activations {self.quantized_activations!r} is not one of "
+                             "['float32', 'int8']")
+        if self.quantized_activations == "int8" and self.quantization == "none":
+            raise ValueError("quantized_activations 'int8' applies to the quantized kernels: it needs quantization "
+                             "gguf, q8_0, q4_0 or q4_1, not 'none'")
         if self.quantization != "none":  # "auto" stays, for a draft model's float projections
             self._check_quantization()
         elif self.linear_backend == "auto":
@@ -299,9 +324,13 @@ def checkpoint_dtype(model: str) -> str | None:
     return None
 
 
-def _as_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
-    """A SpeculativeConfig from itself, a dict, or JSON text; None or "none" for no speculation."""
+def _as_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None, model: str,
+                           device: torch.device) -> SpeculativeConfig | None:
+    """A SpeculativeConfig from itself, a dict, or JSON text; None or "none" for no
+    speculation; "auto" for the default (see `default_speculative_config`)."""
     if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return default_speculative_config(model, device)
         if value.strip().lower() in ("", "none", "null"):
             return None
         try:
@@ -311,6 +340,22 @@ def _as_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | Non
         if value is not None and not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
     return SpeculativeConfig.from_dict(value)
+
+
+def default_speculative_config(model: str, device: torch.device) -> SpeculativeConfig | None:
+    """Speculation when the user names none: adaptive hybrid drafting on the CPU, which
+    measures its costs and falls to plain decoding where drafting does not pay.
+
+    The shipped recurrent heads join suffix decoding for the default model only (heads are
+    trained for one target). On CUDA: none, since adaptive speculation times steps on the
+    host's clock (see EngineConfig.validate)."""
+    if device.type == "cuda":
+        return None
+    config = SpeculativeConfig(method="hybrid", num_speculative_tokens=DEFAULT_DRAFT_DEPTH,
+                               num_tree_nodes=DEFAULT_TREE_NODES, adaptive=True,
+                               model=DEFAULT_HEADS if model == DEFAULT_MODEL else None)
+    config.validate()
+    return config
 
 
 def _check_device(device: str) -> None:

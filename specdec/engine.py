@@ -47,7 +47,8 @@ class LLMEngine:
         keep_freed_memory()
         self.model = load_model(self.model_dir, dtype=config.dtype, device=self.device,
                                 linear_backend=config.linear_backend, attention_backend=config.attention_backend,
-                                quantization=config.quantization)
+                                quantization=config.quantization,
+                                quantized_activations=config.quantized_activations)
         self.model_config = self.model.config
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
@@ -71,7 +72,8 @@ class LLMEngine:
             spec=self.config.speculative_config, tokenizer=self.tokenizer, target=self.model, device=self.device,
             dtype=self.config.dtype, linear_backend=self.config.linear_backend, max_model_len=self.max_model_len,
             allocate_kv=self._allocate_draft_kv, num_kv_blocks=self.block_manager.num_blocks,
-            max_num_seqs=self.config.max_num_seqs)
+            max_num_seqs=self.config.max_num_seqs,
+            cost=self.policy.cost if isinstance(self.policy, AdaptiveSpeculation) else None)
 
     def _allocate_draft_kv(self, model: LlamaForCausalLM, num_blocks: int) -> tuple[ModelRunner, BlockManager]:
         """A runner over a fresh paged KV cache for a draft model (KV in its activation dtype)."""
@@ -227,7 +229,7 @@ class LLMEngine:
             request.grammar.advance(request.output_token_ids)
         if tree.num_drafts:
             self.metrics.observe_draft(tree.max_depth, min(num_accepted, kept))
-            self.policy.observe_verify(request.request_id, tree.max_depth, num_accepted)
+            self.policy.observe_verify(request.request_id, tree.max_depth, num_accepted, tree.num_drafts)
         self.metrics.num_generation_tokens += kept
         self.block_manager.truncate(request, request.num_tokens)
         self.block_manager.cache_blocks(request)

@@ -7,6 +7,16 @@ sampled from norm(max(0, target_probs - draft_probs)); if every draft is accepte
 bonus token is sampled from the target at the bonus row. The emitted tokens are then
 distributed exactly as if sampled from the target alone.
 
+Seeded requests are reproducible: their draws are keyed by the position they decide
+(see `specdec.sampler.keyed_generator`); row j of request i decides position
+positions[i] + j. With deterministic drafts (draft_probs None) a seeded row takes the
+exponential race at each position, y_j = argmax(target_probs_j / E_j) with E_j keyed by
+(seed, positions[i] + j), accepts drafts while they equal y_j and emits the first y_j that
+differs (or the bonus): each emitted token follows the target, and they are exactly the
+tokens plain decoding with the same seed picks. With draft_probs, the acceptance uniform
+of draft j and the race of the final token are keyed by their positions. Unseeded rows
+use the global RNG in batch-shaped calls.
+
 Shapes: N requests, K = max draft length in the batch, V vocab,
 T = sum(num_draft_i + 1) target rows, D = sum(num_draft_i) draft rows.
 Metrics (accepted / drafted) are counted by the caller from the returned lengths.
@@ -18,7 +28,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
+from specdec.sampler import (
+    RACE_STREAM,
+    SamplingTensors,
+    keyed_generator,
+    keyed_uniforms,
+    logits_to_probs,
+    sample_keyed,
+    sample_probs,
+)
 
 # Below this mass the residual is float32 rounding noise, and a rejection there happens
 # with probability equal to that mass anyway, so falling back to the target is harmless.
@@ -62,25 +80,36 @@ def rejection_sample(
     draft_token_ids: list[list[int]],  # [N] lists of num_draft_i tokens; may be empty
     draft_probs: Tensor | None,  # [D, V] draft distribution after sampling transforms; None = one-hot
     st: SamplingTensors,  # one row per request
+    positions: list[int] | None = None,  # [N] position each first row decides; needed by seeded rows
 ) -> list[list[int]]:  # per request: accepted drafts, then one recovered or bonus token
-    _check_shapes(target_logits, draft_token_ids, draft_probs, st)
+    _check_shapes(target_logits, draft_token_ids, draft_probs, st, positions)
     layout = DraftLayout.build(draft_token_ids, target_logits.device)
     greedy = st.greedy.tolist()
     num_accepted = torch.empty(len(greedy), dtype=torch.int64, device=target_logits.device)  # [N]
     final_token = torch.empty_like(num_accepted)  # [N]
     if any(greedy):
         # One vectorised pass over every row beats gathering the greedy ones first;
-        # stochastic rows are overwritten below.
+        # sampled rows are overwritten below.
         num_accepted[:], final_token[:] = _greedy(target_logits, layout)
-    stochastic = [i for i, g in enumerate(greedy) if not g]
+    keyed = st.keyed_rows([draft_probs is None] * len(greedy))
+    if keyed:
+        assert positions is not None  # _check_shapes
+        rows = _device_index(keyed, target_logits.device)  # [K]
+        num_accepted[rows], final_token[rows] = _keyed(
+            target_logits, layout, st, keyed, [positions[i] for i in keyed], [len(draft_token_ids[i]) for i in keyed])
+    stochastic = sorted(set(i for i, g in enumerate(greedy) if not g) - set(keyed))
     if stochastic:
-        rows = torch.tensor(stochastic, dtype=torch.int64).to(target_logits.device, non_blocking=True)  # [S]
+        rows = _device_index(stochastic, target_logits.device)  # [S]
         num_accepted[rows], final_token[rows] = _stochastic(
-            target_logits, draft_probs, layout, st, stochastic, [len(draft_token_ids[i]) for i in stochastic]
-        )
+            target_logits, draft_probs, layout, st, stochastic, [len(draft_token_ids[i]) for i in stochastic],
+            None if positions is None else [positions[i] for i in stochastic])
     # The step's one wait for the GPU: both results come back in one copy.
     accepted_counts, final_tokens = torch.stack([num_accepted, final_token]).tolist()
     return [drafts[:n] + [tok] for drafts, n, tok in zip(draft_token_ids, accepted_counts, final_tokens)]
+
+
+def _device_index(values: list[int], device: torch.device) -> Tensor:  # [len(values)] int64
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _greedy(target_logits: Tensor, layout: DraftLayout) -> tuple[Tensor, Tensor]:
@@ -94,6 +123,41 @@ def _greedy(target_logits: Tensor, layout: DraftLayout) -> tuple[Tensor, Tensor]
     return num_accepted, final
 
 
+def _keyed(
+    target_logits: Tensor,  # [T, V]
+    layout: DraftLayout,
+    st: SamplingTensors,  # [N] rows
+    requests: list[int],  # K seeded request indices with one-hot drafts
+    positions: list[int],  # [K] position each one's first row decides
+    counts: list[int],  # [K] their numbers of drafts
+) -> tuple[Tensor, Tensor]:  # num_accepted [K], final token [K]
+    sub = st.select(requests)
+    seeds = [s for s in sub.seeds if s is not None]
+    idx = _device_index(requests, target_logits.device)  # [K]
+    target_rows = layout.target_rows[idx]  # [K, Kmax + 1]
+    tokens = layout.tokens[idx]  # [K, Kmax]
+    valid = layout.valid[idx]  # [K, Kmax]
+    target_probs = _target_probs(target_logits, target_rows, counts, sub)  # [T, V], K requests' rows filled
+    num_accepted = torch.zeros(len(requests), dtype=torch.int64, device=target_logits.device)  # [K]
+    final = torch.empty_like(num_accepted)  # [K]
+    matching = list(range(len(requests)))  # host-side: rows whose drafts so far equal the picks
+    j = 0
+    # Position by position, so that a row draws the V exponentials of a position only once
+    # it gets there: one race per emitted token, as in plain decoding.
+    while matching:
+        at = _device_index(matching, target_logits.device)  # [L]
+        choice = sample_keyed(target_probs[target_rows[at, j]], [seeds[k] for k in matching],
+                              [positions[k] + j for k in matching])  # [L]
+        final[at] = choice
+        if j == tokens.shape[1]:
+            break  # every row left took its bonus
+        match = valid[at, j] & (tokens[at, j] == choice)  # [L]
+        num_accepted[at] += match.to(torch.int64)
+        matching = [k for k, m in zip(matching, match.tolist()) if m]
+        j += 1
+    return num_accepted, final
+
+
 def _stochastic(
     target_logits: Tensor,  # [T, V]
     draft_probs: Tensor | None,  # [D, V] or None
@@ -101,9 +165,10 @@ def _stochastic(
     st: SamplingTensors,  # [N] rows
     requests: list[int],  # S stochastic request indices
     counts: list[int],  # [S] their numbers of drafts
+    positions: list[int] | None,  # [S] position each first row decides; None if no row is seeded
 ) -> tuple[Tensor, Tensor]:  # num_accepted [S], final token [S]
     sub = st.select(requests)
-    idx = torch.tensor(requests, dtype=torch.int64).to(target_logits.device, non_blocking=True)  # [S]
+    idx = _device_index(requests, target_logits.device)  # [S]
     target_rows = layout.target_rows[idx]  # [S, K + 1]
     tokens = layout.tokens[idx]  # [S, K]
     num_draft = layout.num_draft[idx]  # [S]
@@ -115,7 +180,7 @@ def _stochastic(
         draft_at_draft = torch.ones_like(target_at_draft)  # [S, K], one-hot drafts
     else:
         draft_at_draft = draft_probs[layout.draft_rows[idx], tokens].float()  # [S, K]
-    uniform = _uniforms(sub.generators, counts, k_max, target_logits.device)  # [S, K]
+    uniform = _uniforms(sub.seeds, positions, counts, k_max, target_logits.device)  # [S, K]
     # u < target/draft, written without a division; a zero draft prob means a bogus draft: reject.
     accept = layout.valid[idx] & (draft_at_draft > 0) & (uniform * draft_at_draft < target_at_draft)
     num_accepted = _leading_true(accept)  # [S]
@@ -125,7 +190,20 @@ def _stochastic(
     draft_at_stop = _draft_at_stop(draft_probs, layout, idx, tokens, num_accepted, rejected,
                                    target_probs.shape[1])  # [S, V], zero rows at the bonus
     final_probs = residual_probs(target_probs[stop_row], draft_at_stop)  # [S, V]
-    return num_accepted, sample_probs(final_probs, sub.generators)
+    return num_accepted, sample_probs(final_probs, _final_generators(sub.seeds, positions, num_accepted))
+
+
+def _final_generators(
+    seeds: list[int | None],  # [S]
+    positions: list[int] | None,  # [S]
+    num_accepted: Tensor,  # [S]
+) -> list[torch.Generator | None]:  # [S] the race generator of the position each final token takes
+    if all(s is None for s in seeds):
+        return [None] * len(seeds)
+    assert positions is not None  # _check_shapes
+    # Seeded rows only: which position the final token takes is known after acceptance.
+    return [None if seed is None else keyed_generator(seed, pos + n, RACE_STREAM)
+            for seed, pos, n in zip(seeds, positions, num_accepted.tolist())]
 
 
 def _target_probs(
@@ -177,14 +255,16 @@ def residual_probs(target_probs: Tensor, draft_probs: Tensor) -> Tensor:
 
 
 def _uniforms(
-    generators: list[torch.Generator | None], num_draft: list[int], k_max: int,
+    seeds: list[int | None], positions: list[int] | None, num_draft: list[int], k_max: int,
     device: torch.device,
 ) -> Tensor:  # [S, K] uniform [0, 1)
-    uniform = torch.rand(len(generators), k_max, device=device)  # unseeded rows, in one call
-    for row, (gen, k) in enumerate(zip(generators, num_draft)):
-        if gen is not None and k > 0:
-            # Exactly num_draft draws, so a seeded request's stream ignores batch padding.
-            uniform[row, :k] = torch.rand(k, generator=gen, device=gen.device).to(device, non_blocking=True)
+    uniform = torch.rand(len(seeds), k_max, device=device)  # unseeded rows, in one call
+    for row, (seed, k) in enumerate(zip(seeds, num_draft)):
+        if seed is not None and k > 0:
+            assert positions is not None  # _check_shapes
+            # Draft j decides position positions[row] + j: the first draw of that key.
+            keyed = torch.cat([keyed_uniforms(seed, positions[row] + j, 1) for j in range(k)])  # [k]
+            uniform[row, :k] = keyed.to(device, non_blocking=True)
     return uniform
 
 
@@ -195,7 +275,7 @@ def _leading_true(mask: Tensor) -> Tensor:
 
 def _check_shapes(
     target_logits: Tensor, draft_token_ids: list[list[int]], draft_probs: Tensor | None,
-    st: SamplingTensors,
+    st: SamplingTensors, positions: list[int] | None,
 ) -> None:
     num_draft = sum(len(d) for d in draft_token_ids)
     if target_logits.shape[0] != num_draft + len(draft_token_ids):
@@ -206,3 +286,13 @@ def _check_shapes(
                          f"({num_draft}, {target_logits.shape[1]})")
     if len(st) != len(draft_token_ids):
         raise ValueError(f"{len(st)} sampling rows for {len(draft_token_ids)} requests")
+    check_positions(positions, st)
+
+
+def check_positions(positions: list[int] | None, st: SamplingTensors) -> None:
+    """Seeded sampled rows key their draws by position, so they need one."""
+    if positions is None:
+        if st.keyed_rows([True] * len(st)):
+            raise ValueError("seeded requests need positions (the position each request's first row decides)")
+    elif len(positions) != len(st):
+        raise ValueError(f"{len(positions)} positions for {len(st)} requests")

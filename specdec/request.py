@@ -54,6 +54,9 @@ class Request:
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        # A sequential stream for a drafter that samples its own guesses (the draft model's
+        # shadow requests). The verifier does not use it: a seeded request's target draws
+        # are keyed by position (specdec.sampler.keyed_generator), whatever was drafted.
         self.generator = _generator(sampling_params.seed)
         # [H] target hidden state that produced the last committed token (Medusa reads it)
         self.last_hidden: torch.Tensor | None = None

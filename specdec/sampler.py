@@ -1,7 +1,12 @@
-"""Batched token sampling: temperature, top-k, top-p, min-p, per-request seeded generators.
+"""Batched token sampling: temperature, top-k, top-p, min-p, seeded draws.
 
 Every function works on a batch of rows, one row per request (or per position of a
 request during verification, see `SamplingTensors.repeat`).
+
+A seeded request's draws in the verifier are keyed, not streamed: the noise that decides
+the token at position t comes from a fresh generator seeded with a hash of (seed, t,
+stream), so it does not depend on how many draws earlier steps made (how many drafts
+they had, or which were accepted). See `keyed_generator`.
 """
 from __future__ import annotations
 
@@ -25,7 +30,10 @@ class SamplingTensors:
     top_p: Tensor  # [N] float32; 1 = off
     min_p: Tensor  # [N] float32; 0 = off
     greedy: Tensor  # [N] bool
-    generators: list[torch.Generator | None]  # [N] per-request seeded generator, or None (global RNG)
+    # [N] a sequential generator per row, or None (global RNG): for drafters sampling their
+    # own guesses with `sample_probs`. The verifiers ignore it and key draws by `seeds`.
+    generators: list[torch.Generator | None]
+    seeds: list[int | None]  # [N] the request's seed (SamplingParams.seed), or None
     all_greedy: bool
     # Computed once here so the hot path never has to ask the tensors (a device sync on GPU):
     # the tensors are made on the host, and `to` carries these flags over to the device.
@@ -58,9 +66,11 @@ class SamplingTensors:
     def from_params(
         cls,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        generators: list[torch.Generator | None] | None = None,
         device: torch.device | str = "cpu",
     ) -> SamplingTensors:
+        if generators is None:
+            generators = [None] * len(params)
         if len(generators) != len(params):
             raise ValueError(f"{len(params)} params but {len(generators)} generators")
         greedy = [p.greedy for p in params]
@@ -73,6 +83,7 @@ class SamplingTensors:
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             generators=list(generators),
+            seeds=[p.seed for p in params],
             all_greedy=all(greedy),
         )
 
@@ -83,21 +94,28 @@ class SamplingTensors:
         """Row i repeated counts[i] times: one row per verified position."""
         reps = torch.tensor(counts, dtype=torch.int64, device=self.temperature.device)
         gens = [g for g, c in zip(self.generators, counts) for _ in range(c)]
-        return self._rows(lambda t: t.repeat_interleave(reps, dim=0), gens)
+        seeds = [s for s, c in zip(self.seeds, counts) for _ in range(c)]
+        return self._rows(lambda t: t.repeat_interleave(reps, dim=0), gens, seeds)
 
     def select(self, rows: list[int]) -> SamplingTensors:
         """The sub-batch made of the given rows, in that order."""
         idx = torch.tensor(rows, dtype=torch.int64, device=self.temperature.device)
-        return self._rows(lambda t: t[idx], [self.generators[r] for r in rows])
+        return self._rows(lambda t: t[idx], [self.generators[r] for r in rows], [self.seeds[r] for r in rows])
+
+    def keyed_rows(self, one_hot: list[bool]) -> list[int]:
+        """Sampled rows with a seed whose drafts are deterministic guesses (one_hot [N]): the
+        verifiers give them exactly plain decoding's tokens."""
+        greedy = self.greedy.tolist()
+        return [i for i, (g, s, o) in enumerate(zip(greedy, self.seeds, one_hot)) if not g and s is not None and o]
 
     def _rows(
-        self, take: Callable[[Tensor], Tensor], gens: list[torch.Generator | None]
+        self, take: Callable[[Tensor], Tensor], gens: list[torch.Generator | None], seeds: list[int | None]
     ) -> SamplingTensors:
         greedy = take(self.greedy)
         return SamplingTensors(
             temperature=take(self.temperature), top_k=take(self.top_k),
             top_p=take(self.top_p), min_p=take(self.min_p), greedy=greedy, generators=gens,
-            all_greedy=bool(greedy.all()),
+            seeds=seeds, all_greedy=bool(greedy.all()),
         )
 
 
@@ -132,10 +150,12 @@ def _one_hot_argmax(logits: Tensor) -> Tensor:
 
 
 def _mask_min_p(probs: Tensor, min_p: Tensor) -> Tensor:  # [N, V], [N] -> [N, V]
-    """Zero the tokens below min_p times the row's top probability, then renormalise."""
+    """Zero the tokens below min_p times the row's top probability, then renormalise.
+    Rows with min_p off are returned untouched (a renormalisation would move their last
+    bits, and a seeded row's token must not depend on its neighbours' settings)."""
     floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [N, 1]
-    kept = probs.masked_fill(probs < floor, 0.0)
-    return kept / kept.sum(dim=-1, keepdim=True)
+    kept = probs.masked_fill(probs < floor, 0.0)  # [N, V]
+    return torch.where(min_p.unsqueeze(1) > 0, kept / kept.sum(dim=-1, keepdim=True), probs)
 
 
 def _mask_top_k(logits: Tensor, top_k: Tensor, largest_top_k: int | None = None) -> Tensor:
@@ -178,11 +198,12 @@ def sample_probs(probs: Tensor, generators: list[torch.Generator | None]) -> Ten
     """[N, V] probabilities -> [N] int64 by the exponential race argmax(probs / Exp(1)).
 
     Equivalent to a categorical draw, but one vectorised call for all unseeded rows;
-    each seeded row draws its own V exponentials from its generator, so its result
-    depends only on its seed and history, never on the rest of the batch.
+    each row with a generator draws its own V exponentials from it, so its result
+    depends only on that generator, never on the rest of the batch.
     """
     race = torch.empty_like(probs, dtype=torch.float32)  # [N, V]
-    race.exponential_()  # unseeded rows; seeded rows are overwritten below
+    if any(gen is None for gen in generators):
+        race.exponential_()  # unseeded rows; seeded rows are overwritten below
     for row, gen in enumerate(generators):
         if gen is not None:
             race[row] = _exponential(probs.shape[1], gen).to(probs.device, non_blocking=True)
@@ -193,6 +214,51 @@ def sample_probs(probs: Tensor, generators: list[torch.Generator | None]) -> Ten
 
 def _exponential(n: int, gen: torch.Generator) -> Tensor:
     return torch.empty(n, device=gen.device).exponential_(generator=gen)  # [n]
+
+
+# The streams of a seeded request's keyed draws at one position.
+RACE_STREAM = 0  # V exponentials: the token the target picks there (`sample_keyed`)
+ACCEPT_STREAM = 1  # uniforms: accepting or rejecting sampled drafts for it (`keyed_uniforms`)
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+
+
+def keyed_seed(seed: int, position: int, stream: int) -> int:
+    """A 63-bit generator seed for (request seed, token position, stream).
+
+    splitmix64's mixing step folds in each part in turn: keys that differ in one bit
+    (seed and seed + 1, consecutive positions, the two streams) give unrelated seeds, so
+    their draws are independent for every practical purpose.
+    """
+    mixed = _mix64(seed & _MASK64)
+    mixed = _mix64(mixed ^ (position & _MASK64))
+    return _mix64(mixed ^ stream) & _MASK63
+
+
+def _mix64(x: int) -> int:
+    """splitmix64: add the golden-ratio increment, then its xorshift-multiply finaliser."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_generator(seed: int, position: int, stream: int) -> torch.Generator:
+    """A fresh CPU generator for one (seed, position, stream) key (a few microseconds)."""
+    return torch.Generator().manual_seed(keyed_seed(seed, position, stream))
+
+
+def sample_keyed(probs: Tensor, seeds: list[int], positions: list[int]) -> Tensor:
+    """[M, V] probabilities -> [M] int64: row i's token by the exponential race with the
+    V exponentials keyed by (seeds[i], positions[i]); what plain decoding picks there."""
+    return sample_probs(probs, [keyed_generator(s, t, RACE_STREAM) for s, t in zip(seeds, positions)])
+
+
+def keyed_uniforms(seed: int, position: int, count: int) -> Tensor:
+    """[count] uniforms in [0, 1) keyed by (seed, position), on the CPU. A prefix of a longer
+    draw with the same key: the j-th value does not depend on count."""
+    return torch.rand(count, generator=keyed_generator(seed, position, ACCEPT_STREAM))  # [count]
 
 
 def top_logprobs(logits: Tensor, token_ids: Tensor, num_top: int,

@@ -51,8 +51,9 @@ class SpeculationPolicy(ABC):
     def observe_step(self, report: StepReport) -> None:
         """A finished step's size and timings."""
 
-    def observe_verify(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
-        """One request's verify: drafts offered along its deepest path, drafts accepted."""
+    def observe_verify(self, request_id: str, num_drafted: int, num_accepted: int, num_nodes: int) -> None:
+        """One request's verify: drafts offered along its deepest path, drafts accepted,
+        and draft nodes verified (the tree's size)."""
 
     def forget(self, request_id: str) -> None:
         """The request finished; drop what is kept about it."""

@@ -15,6 +15,7 @@ expansions.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -133,15 +134,21 @@ class DraftTree:
         top-max_drafts. A child scoring above its parent (a heuristic score) cannot be kept
         without it: best-first expansion picks the child right after its parent.
         """
+        return cls._expansion(root, candidates, max_drafts, draft_probs)[0]
+
+    @classmethod
+    def _expansion(cls, root: int, candidates: Sequence[Candidate], max_drafts: int,
+                   draft_probs: Tensor | None) -> tuple[DraftTree, list[int]]:
+        """`from_expansion`'s tree and the candidate index of each of its draft nodes."""
         parents = [c[0] for c in candidates]
         if any(not 0 <= p <= k for k, p in enumerate(parents)):
             raise ValueError("every candidate's parent id must be 0 (root) or an earlier candidate's id")
         kept = best_first(parents, [c[2] for c in candidates], max_drafts)  # candidate indices
         new_id = {0: 0} | {k + 1: i + 1 for i, k in enumerate(kept)}
         probs = None if draft_probs is None else draft_probs[torch.tensor(kept, dtype=torch.long)]
-        return cls([root] + [candidates[k][1] for k in kept],
-                   [-1] + [new_id[parents[k]] for k in kept],
+        tree = cls([root] + [candidates[k][1] for k in kept], [-1] + [new_id[parents[k]] for k in kept],
                    _with_root_row(probs, len(kept) + 1))
+        return tree, kept
 
     # ---- pruning ------------------------------------------------------------------
 
@@ -164,6 +171,60 @@ class DraftTree:
         probs = None if self.draft_probs is None else self.draft_probs[torch.tensor(keep, dtype=torch.long)]
         return DraftTree([self.token_ids[i] for i in keep],
                          [-1] + [new_index[self.parents[i]] for i in keep[1:]], probs)
+
+
+@dataclass(frozen=True)
+class ScoredDraft:
+    """A draft tree of deterministic guesses (verified one-hot) with each node's estimated
+    chance that the target accepts the path to it, the drafter's confidence. Drafters that
+    score their nodes return these, so that one tree can be cut or merged by worth."""
+
+    tree: DraftTree
+    probs: list[float]  # [N] path probability of each node; the root's is 1
+
+    @classmethod
+    def root_only(cls, root: int) -> ScoredDraft:
+        return cls(DraftTree.chain([root]), [1.0])
+
+    @classmethod
+    def from_expansion(cls, root: int, candidates: Sequence[Candidate], max_drafts: int) -> ScoredDraft:
+        """`DraftTree.from_expansion` of top-k picks, with exp(cumulative log-prob) as each node's chance."""
+        tree, kept = DraftTree._expansion(root, candidates, max_drafts, None)
+        return cls(tree, [1.0] + [math.exp(candidates[k][2]) for k in kept])
+
+
+def merge_drafts(root: int, drafts: Sequence[tuple[ScoredDraft, float]], max_drafts: int,
+                 min_prob: float = 0.0) -> ScoredDraft:
+    """One tree of the union of several drafters' guesses: the max_drafts nodes of best
+    weighted chance (ancestor-closed, best first), each at least min_prob.
+
+    `drafts` pairs each draft with a weight that calibrates its chances (how its predicted
+    acceptance compares with what the target accepted). A path two drafts share is one node
+    whose chance is the higher of theirs. Every draft must be rooted at `root` and made of
+    one-hot guesses (no draft_probs), so the union verifies exactly as each would alone.
+    """
+    tokens, parents, chances = [root], [-1], [1.0]
+    children: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+    for draft, weight in drafts:
+        tree = draft.tree
+        if tree.token_ids[0] != root or tree.draft_probs is not None:
+            raise ValueError("merged drafts must share the root and hold one-hot guesses only")
+        merged = [0] * tree.num_nodes  # the draft's node -> its merged node
+        for i in range(1, tree.num_nodes):
+            key = (merged[tree.parents[i]], tree.token_ids[i])
+            chance = weight * draft.probs[i]
+            if key not in children:
+                children[key] = len(tokens)
+                tokens.append(tree.token_ids[i])
+                parents.append(key[0])
+                chances.append(chance)
+            merged[i] = children[key]
+            chances[merged[i]] = max(chances[merged[i]], chance)
+    kept = best_first(parents[1:], chances[1:], max_drafts)  # merged node n is candidate n - 1
+    kept = kept[: next((i for i, k in enumerate(kept) if chances[k + 1] < min_prob), len(kept))]
+    new_index = {0: 0} | {k + 1: i + 1 for i, k in enumerate(kept)}
+    tree = DraftTree([root] + [tokens[k + 1] for k in kept], [-1] + [new_index[parents[k + 1]] for k in kept])
+    return ScoredDraft(tree, [1.0] + [chances[k + 1] for k in kept])
 
 
 def expand_layer(

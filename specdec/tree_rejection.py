@@ -18,11 +18,23 @@ path (i.i.d. sampled siblings, duplicates allowed) or x_c deterministic (one-hot
 top-k / n-gram guesses, where a rejection just zeroes r[x_c]). Siblings sampled
 WITHOUT replacement are neither, and would need another residual update.
 
-Random draws: a seeded request draws one uniform per draft node (node order, N - 1
-draws), then V exponentials for the final token. A chain tree therefore consumes its
-generator exactly as `specdec.rejection.rejection_sample` does and, seeded, gives the
-identical output. Unseeded rows use the global RNG in batch-shaped calls, so their
-outputs match the chain sampler in distribution only.
+Seeded requests with deterministic drafts (draft_probs None) are verified by the
+exponential race instead, which makes them reproducible: at a node deciding position t
+the target's token is y = argmax(target_probs(u) / E_t), with E_t the V exponentials of
+a generator keyed by (seed, t) (`specdec.sampler.sample_keyed`). The walk moves to the
+first child carrying y, else emits y (recovered, or bonus at a leaf). Each emitted token
+follows the target (E_t is fresh at every position), and it is exactly the token plain
+decoding with the same seed picks at t, whatever the tree held.
+
+Random draws: a seeded request's draws are keyed by the position they decide. The root
+row decides position `positions[b]` (the request's number of known tokens) and a node at
+depth d decides positions[b] + d. Race exponentials for position t come from the key
+(seed, t, RACE_STREAM), as in plain decoding; with draft_probs, the acceptance uniforms
+of the children of a depth-d node come from (seed, positions[b] + d, ACCEPT_STREAM), the
+j-th sibling taking the j-th draw. Nothing depends on how many draws other positions,
+steps or requests made, so a chain tree gives `specdec.rejection.rejection_sample`'s
+output exactly. Unseeded rows use the global RNG in batch-shaped calls, so their outputs
+match the chain sampler in distribution only.
 
 Shapes: B requests, G = sum(N_i) flat node rows, C = max children of a node, V vocab.
 """
@@ -34,8 +46,16 @@ from itertools import chain
 import torch
 from torch import Tensor
 
-from specdec.rejection import residual_probs
-from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
+from specdec.rejection import check_positions, residual_probs
+from specdec.sampler import (
+    RACE_STREAM,
+    SamplingTensors,
+    keyed_generator,
+    keyed_uniforms,
+    logits_to_probs,
+    sample_keyed,
+    sample_probs,
+)
 from specdec.tree import DraftTree
 
 
@@ -102,23 +122,33 @@ def tree_verify(
     target_logits: Tensor,  # [G, V]: per request, one row per tree node, in node order
     trees: list[DraftTree],  # [B]
     st: SamplingTensors,  # one row per request
+    positions: list[int] | None = None,  # [B] position each root row decides; needed by seeded rows
 ) -> list[TreeResult]:
-    _check_shapes(target_logits, trees, st)
+    _check_shapes(target_logits, trees, st, positions)
     flat = FlatTrees.build(trees, target_logits.device)
     greedy = st.greedy.tolist()
     last_node = torch.empty(len(trees), dtype=torch.int64, device=target_logits.device)  # [B] flat row
     final_token = torch.empty_like(last_node)  # [B]
     if any(greedy):
-        # One vectorised pass over every tree; stochastic rows are overwritten below.
+        # One vectorised pass over every tree; sampled rows are overwritten below.
         last_node[:], final_token[:] = _greedy(target_logits, flat)
-    stochastic = [b for b, g in enumerate(greedy) if not g]
+    keyed = st.keyed_rows([t.draft_probs is None for t in trees])
+    if keyed:
+        assert positions is not None  # _check_shapes
+        rows = _device_index(keyed, target_logits.device)  # [K]
+        last_node[rows], final_token[rows] = _keyed(target_logits, flat, st, keyed, [positions[b] for b in keyed])
+    stochastic = sorted(set(b for b, g in enumerate(greedy) if not g) - set(keyed))
     if stochastic:
-        rows = torch.tensor(stochastic, dtype=torch.int64).to(target_logits.device, non_blocking=True)  # [S]
-        last_node[rows], final_token[rows] = _stochastic(target_logits, trees, flat, st, stochastic)
+        rows = _device_index(stochastic, target_logits.device)  # [S]
+        last_node[rows], final_token[rows] = _stochastic(target_logits, trees, flat, st, stochastic, positions)
     # The greedy path's one wait for the GPU: both results come back in one copy.
     last_nodes, final_tokens = torch.stack([last_node, final_token]).tolist()
     return [_result(tree, node - start, tok) for tree, start, node, tok
             in zip(trees, flat.starts, last_nodes, final_tokens)]
+
+
+def _device_index(values: list[int], device: torch.device) -> Tensor:  # [len(values)] int64
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _greedy(target_logits: Tensor, flat: FlatTrees) -> tuple[Tensor, Tensor]:
@@ -138,19 +168,60 @@ def _greedy(target_logits: Tensor, flat: FlatTrees) -> tuple[Tensor, Tensor]:
     return last, target_argmax[last]
 
 
+def _keyed(
+    target_logits: Tensor,  # [G, V]
+    flat: FlatTrees,
+    st: SamplingTensors,  # [B] rows
+    requests: list[int],  # K seeded requests with one-hot drafts
+    positions: list[int],  # [K] position each one's root row decides
+) -> tuple[Tensor, Tensor]:  # last accepted flat row [K], final token [K]
+    sub = st.select(requests)
+    seeds = [s for s in sub.seeds if s is not None]
+    target_probs = _target_probs(target_logits, flat, sub, requests)  # [G, V], K trees filled
+    node = _device_index([flat.starts[b] for b in requests], target_logits.device)  # [K] starting at the roots
+    final = torch.empty_like(node)  # [K]
+    walking = list(range(len(requests)))  # host-side: rows whose last pick matched a child
+    depth = 0
+    # Level by level, so that a row draws the V exponentials of a position only once the
+    # walk reaches it: one race per emitted token, as in plain decoding.
+    while walking:
+        at = _device_index(walking, node.device)  # [L]
+        here = node[at]  # [L]
+        choice = sample_keyed(target_probs[here], [seeds[k] for k in walking],
+                              [positions[k] + depth for k in walking])  # [L]
+        child = _child_carrying(flat, here, choice)  # [L] flat row, -1 if none
+        moved = child >= 0  # [L]
+        final[at] = choice
+        node[at] = torch.where(moved, child, here)
+        walking = [k for k, m in zip(walking, moved.tolist()) if m]
+        depth += 1
+    return node, final
+
+
+def _child_carrying(
+    flat: FlatTrees,
+    node: Tensor,  # [L] flat rows
+    token: Tensor,  # [L]
+) -> Tensor:  # [L] flat row of the first child of node carrying token, -1 if none
+    children = flat.children[node]  # [L, C]
+    match = (children >= 0) & (flat.tokens[children.clamp(min=0)] == token.unsqueeze(1))  # [L, C]
+    first = match.to(torch.int64).argmax(dim=1, keepdim=True)  # [L, 1]: argmax takes the first max
+    return torch.where(match.any(dim=1), children.gather(1, first).squeeze(1), -1)
+
+
 def _stochastic(
     target_logits: Tensor,  # [G, V]
     trees: list[DraftTree],  # [B]
     flat: FlatTrees,
     st: SamplingTensors,  # [B] rows
     requests: list[int],  # S stochastic request indices
+    positions: list[int] | None,  # [B] position each root row decides; None if no row is seeded
 ) -> tuple[Tensor, Tensor]:  # last accepted flat row [S], final token [S]
     sub = st.select(requests)
     target_probs = _target_probs(target_logits, flat, sub, requests)  # [G, V], S trees filled
     draft_probs = _flat_draft_probs(trees, target_logits.shape[1], target_logits.device)  # [G, V] or None
-    uniform = _node_uniforms(trees, flat, sub.generators, requests, target_logits.device)  # [G]
-    node = torch.tensor([flat.starts[b] for b in requests], dtype=torch.int64).to(
-        target_logits.device, non_blocking=True)  # [S] current node, starting at the roots
+    uniform = _node_uniforms(trees, flat, sub.seeds, requests, positions, target_logits.device)  # [G]
+    node = _device_index([flat.starts[b] for b in requests], target_logits.device)  # [S] starting at the roots
     residual = target_probs[node]  # [S, V]
     active = torch.ones_like(node, dtype=torch.bool)  # [S] still walking down
     # The two early exits below wait for the GPU, at most (C + 1) times per level: cheaper
@@ -172,7 +243,23 @@ def _stochastic(
         active &= moved
         if not bool(active.any()):
             break
-    return node, sample_probs(residual, sub.generators)
+    return node, sample_probs(residual, _final_generators(trees, flat, node, sub.seeds, requests, positions))
+
+
+def _final_generators(
+    trees: list[DraftTree], flat: FlatTrees,
+    node: Tensor,  # [S] flat row where each walk stopped
+    seeds: list[int | None],  # [S]
+    requests: list[int],  # [S]
+    positions: list[int] | None,  # [B]
+) -> list[torch.Generator | None]:  # [S] the race generator of the position each stop decides
+    if all(s is None for s in seeds):
+        return [None] * len(seeds)
+    assert positions is not None  # _check_shapes
+    stops = node.tolist()  # seeded rows only: which position they decide is known after the walk
+    return [None if seed is None else
+            keyed_generator(seed, positions[b] + trees[b].depths[stop - flat.starts[b]], RACE_STREAM)
+            for seed, b, stop in zip(seeds, requests, stops)]
 
 
 def _try_child(
@@ -229,18 +316,31 @@ def _one_hot_drafts(tree: DraftTree, vocab: int, device: torch.device) -> Tensor
 
 
 def _node_uniforms(
-    trees: list[DraftTree], flat: FlatTrees, generators: list[torch.Generator | None],
-    requests: list[int], device: torch.device,
+    trees: list[DraftTree], flat: FlatTrees, seeds: list[int | None], requests: list[int],
+    positions: list[int] | None, device: torch.device,
 ) -> Tensor:  # [G] uniform [0, 1), one per node (roots unused)
     uniform = torch.rand(flat.tokens.shape[0], device=device)  # unseeded rows, in one call
-    for b, gen in zip(requests, generators):
-        k = trees[b].num_drafts
-        if gen is not None and k > 0:
-            # Exactly one draw per draft node whatever the path: a seeded stream ignores
-            # the batch and, for a chain, matches the chain sampler's k draws.
+    for b, seed in zip(requests, seeds):
+        tree = trees[b]
+        if seed is not None and tree.num_drafts > 0:
+            assert positions is not None  # _check_shapes
             start = flat.starts[b] + 1
-            uniform[start : start + k] = torch.rand(k, generator=gen, device=gen.device).to(device, non_blocking=True)
+            uniform[start : start + tree.num_drafts] = _keyed_node_uniforms(tree, seed, positions[b]).to(
+                device, non_blocking=True)
     return uniform
+
+
+def _keyed_node_uniforms(tree: DraftTree, seed: int, position: int) -> Tensor:
+    """[N - 1] the draft nodes' uniforms: the children of a depth-d node decide position
+    position + d, and the j-th of them takes that key's j-th draw."""
+    slot = [0] * tree.num_nodes  # [N] rank among siblings
+    taken = [0] * tree.num_nodes  # [N] children seen so far per node
+    for i, p in enumerate(tree.parents[1:], start=1):
+        slot[i], taken[p] = taken[p], taken[p] + 1
+    width = max(taken)
+    table = torch.stack([keyed_uniforms(seed, position + d, width) for d in range(tree.max_depth)])  # [D, W]
+    parent_depth = torch.tensor(tree.depths[1:], dtype=torch.int64) - 1  # [N - 1]
+    return table[parent_depth, torch.tensor(slot[1:], dtype=torch.int64)]
 
 
 def _result(tree: DraftTree, last: int, final_token: int) -> TreeResult:
@@ -248,7 +348,8 @@ def _result(tree: DraftTree, last: int, final_token: int) -> TreeResult:
     return TreeResult(accepted_nodes=path, tokens=[tree.token_ids[i] for i in path] + [final_token])
 
 
-def _check_shapes(target_logits: Tensor, trees: list[DraftTree], st: SamplingTensors) -> None:
+def _check_shapes(target_logits: Tensor, trees: list[DraftTree], st: SamplingTensors,
+                  positions: list[int] | None) -> None:
     num_nodes = sum(t.num_nodes for t in trees)
     if target_logits.shape[0] != num_nodes:
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows, expected {num_nodes} "
@@ -259,3 +360,4 @@ def _check_shapes(target_logits: Tensor, trees: list[DraftTree], st: SamplingTen
                              f"{target_logits.shape[1]}")
     if len(st) != len(trees):
         raise ValueError(f"{len(st)} sampling rows for {len(trees)} requests")
+    check_positions(positions, st)

@@ -3,7 +3,11 @@
 
 Chain-shaped trees take a vectorised fast path (specdec/rejection.py), others the
 multi-candidate tree sampler (specdec/tree_rejection.py); the two agree exactly on
-chains, and no other module distinguishes them."""
+chains, and no other module distinguishes them.
+
+A seeded request's draws are keyed by the position they decide: its root row decides
+the token right after its known ones (position num_tokens, counting the prompt), as in
+plain decoding, so with deterministic drafts it commits exactly plain decoding's tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -56,8 +60,12 @@ def _row_starts(num_rows: list[int]) -> list[int]:
 
 
 def _sampling(batch: list[ScheduledRequest], rows: list[int]) -> SamplingTensors:
-    requests = [batch[i].request for i in rows]
-    return SamplingTensors.from_params([r.sampling_params for r in requests], [r.generator for r in requests])
+    return SamplingTensors.from_params([batch[i].request.sampling_params for i in rows])
+
+
+def _positions(batch: list[ScheduledRequest], rows: list[int]) -> list[int]:
+    """The position each request's root row decides: the one after its root token."""
+    return [batch[i].request.num_computed_tokens + batch[i].num_new_tokens for i in rows]
 
 
 def _gather_rows(logits: torch.Tensor, num_rows: list[int], rows: list[int],
@@ -70,18 +78,35 @@ def _gather_rows(logits: torch.Tensor, num_rows: list[int], rows: list[int],
 
 def _verify_chains(batch: list[ScheduledRequest], trees: list[DraftTree], logits: torch.Tensor, num_rows: list[int],
                    rows: list[int], starts: list[int], results: list[Verified]) -> None:
-    drafts = [trees[i].token_ids[1:] for i in rows]
-    probs = _stack_draft_probs(drafts, [_chain_probs(trees[i]) for i in rows], logits.shape[1])
-    sampled = rejection_sample(_gather_rows(logits, num_rows, rows, starts), drafts, probs, _sampling(batch, rows))
-    for i, tokens in zip(rows, sampled):
-        results[i].tokens = tokens
-        results[i].accepted_nodes = list(range(1, len(tokens)))
+    for group in _chain_groups(batch, trees, rows):
+        drafts = [trees[i].token_ids[1:] for i in group]
+        probs = _stack_draft_probs(drafts, [_chain_probs(trees[i]) for i in group], logits.shape[1])
+        sampled = rejection_sample(_gather_rows(logits, num_rows, group, starts), drafts, probs,
+                                   _sampling(batch, group), _positions(batch, group))
+        for i, tokens in zip(group, sampled):
+            results[i].tokens = tokens
+            results[i].accepted_nodes = list(range(1, len(tokens)))
+
+
+def _chain_groups(batch: list[ScheduledRequest], trees: list[DraftTree], rows: list[int]) -> list[list[int]]:
+    """Usually all chains in one call. When sampled drafts (with probabilities) share the
+    step, seeded sampled requests with deterministic drafts get a call of their own:
+    against a batch-wide draft_probs they would be verified by residuals, not by the
+    keyed race that reproduces plain decoding."""
+    if all(trees[i].draft_probs is None for i in rows):
+        return [rows]
+    keyed = [i for i in rows if trees[i].draft_probs is None and trees[i].num_drafts > 0
+             and batch[i].request.sampling_params.seed is not None
+             and not batch[i].request.sampling_params.greedy]
+    taken = set(keyed)
+    rest = [i for i in rows if i not in taken]
+    return [group for group in (keyed, rest) if group]
 
 
 def _verify_trees(batch: list[ScheduledRequest], trees: list[DraftTree], logits: torch.Tensor, num_rows: list[int],
                   rows: list[int], starts: list[int], results: list[Verified]) -> None:
     verified = tree_verify(_gather_rows(logits, num_rows, rows, starts), [trees[i] for i in rows],
-                           _sampling(batch, rows))
+                           _sampling(batch, rows), _positions(batch, rows))
     for i, result in zip(rows, verified):
         results[i].tokens = result.tokens
         results[i].accepted_nodes = result.accepted_nodes

@@ -61,7 +61,8 @@ def test_llm_passes_every_option_through(tiny_model_dir: Path) -> None:
                    max_num_batched_tokens=32, max_num_seqs=2, block_size=8, kv_cache_memory=1 << 20,
                    kv_cache_dtype="fp32", enable_prefix_caching=True, dtype="float32", linear_backend="fp32",
                    attention_backend="torch", seed=3, device="cpu", prefill_step_target_ms=100.0,
-                   chat_template="{{ messages }}", quantization="none", gpu_memory_utilization=0.5,
+                   chat_template="{{ messages }}", quantization="none", quantized_activations="float32",
+                   gpu_memory_utilization=0.5,
                    enforce_eager=True)
     assert set(options) | {"model"} == {f.name for f in fields(EngineConfig)}
     config = LLM(str(tiny_model_dir), **options).engine.config

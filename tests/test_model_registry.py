@@ -70,7 +70,8 @@ def test_engine_refuses_damaged_files(pulled: Path) -> None:
 
 
 def test_intact_pull_loads_and_generates(pulled: Path) -> None:
-    llm = LLM(model_registry.DEFAULT_MODEL, max_model_len=64)
+    # Plain: the default speculation would attach the real model's heads to this stand-in.
+    llm = LLM(model_registry.DEFAULT_MODEL, max_model_len=64, speculative_config=None)
     out = llm.generate(["The quick"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
 

@@ -3,7 +3,8 @@
 The statistical tests run many independent requests in one batch and check, with a
 chi-square goodness-of-fit test, that the emitted tokens follow the target distribution.
 Each one also runs a deliberately broken sampler (the residual replaced by the plain
-target distribution, a classic bug) and asserts that the same check rejects it.
+target distribution, a classic bug; for the keyed race of seeded rows, draws keyed
+without the position) and asserts that the same check rejects it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch import Tensor
 
 import specdec.rejection as rejection
 from specdec.rejection import rejection_sample, residual_probs
-from specdec.sampler import SamplingTensors
+from specdec.sampler import SamplingTensors, sample_keyed
 from specdec.sampling_params import SamplingParams
 
 V = 6  # vocab of the statistical tests
@@ -121,6 +122,13 @@ def test_shape_checks() -> None:
         rejection_sample(torch.zeros(3, 8), [[1, 2]], torch.zeros(3, 8), greedy_st(1))
     with pytest.raises(ValueError, match="sampling rows"):
         rejection_sample(torch.zeros(3, 8), [[1, 2]], None, greedy_st(2))
+    seeded = SamplingTensors.from_params([SamplingParams(seed=1)])
+    with pytest.raises(ValueError, match="positions"):
+        rejection_sample(torch.zeros(3, 8), [[1, 2]], None, seeded)
+    with pytest.raises(ValueError, match="positions"):
+        rejection_sample(torch.zeros(3, 8), [[1, 2]], None, seeded, [0, 1])
+    seeded_greedy = SamplingTensors.from_params([SamplingParams(seed=1, temperature=0.0)])
+    assert rejection_sample(torch.zeros(3, 8), [[0, 0]], None, seeded_greedy) == [[0, 0, 0]]  # no draws, no positions
 
 
 # ---------------------------------------------------------------- residual
@@ -146,17 +154,17 @@ def test_residual_one_hot_zeroes_the_draft_token() -> None:
 
 def _seeded_run(seed: int, extra: int) -> list[int]:
     """Request 0 is seeded; `extra` unseeded requests with other drafts share the batch."""
-    gen = torch.Generator().manual_seed(seed)
     params = [SamplingParams(seed=seed, temperature=0.9)] + [SamplingParams()] * extra
-    st = SamplingTensors.from_params(params, [gen] + [None] * extra)
+    st = SamplingTensors.from_params(params)
     mine = torch.randn(4, 50, generator=torch.Generator().manual_seed(7))
     drafts = [[1, 2, 3]] + [[4] * (i % 4) for i in range(extra)]
     others = torch.randn(sum(len(d) + 1 for d in drafts[1:]), 50)  # global RNG
     dmine = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(8)), -1)
     dothers = torch.softmax(torch.randn(sum(len(d) for d in drafts[1:]), 50), -1)
     outs: list[int] = []
-    for _ in range(10):  # several steps on the same generator
-        res = rejection_sample(torch.cat([mine, others]), drafts, torch.cat([dmine, dothers]), st)
+    for step in range(10):  # several steps at other positions
+        positions = [12 + 4 * step] + [step] * extra
+        res = rejection_sample(torch.cat([mine, others]), drafts, torch.cat([dmine, dothers]), st, positions)
         outs += res[0] + [-1]
     return outs
 
@@ -221,6 +229,28 @@ def plain_st(n: int, **kwargs: Any) -> SamplingTensors:
     return SamplingTensors.from_params([SamplingParams(**kwargs)] * n, [None] * n)
 
 
+def seeded_st(n: int) -> tuple[SamplingTensors, list[int]]:
+    """n requests with distinct seeds at scattered positions: the sampling and the positions."""
+    return SamplingTensors.from_params([SamplingParams(seed=s) for s in range(n)]), [(s * 7919) % 1000 for s in range(n)]
+
+
+def test_statistical_seeded_residual(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded rows with sampled drafts keep the residual method, with keyed uniforms."""
+    num_draft = torch.randint(0, 4, (N_TRIALS // 2,), generator=torch.Generator().manual_seed(4))
+    case = markov_case(num_draft, seed=24)
+    st, positions = seeded_st(len(case.drafts))
+    out = rejection_sample(case.target_logits, case.drafts, case.draft_probs, st, positions)
+    assert all(1 <= len(o) <= len(d) + 1 and o[:-1] == d[:len(o) - 1] for o, d in zip(out, case.drafts))
+    p_first, p_second = first_two_pvalues(out, case.target0, case.target_next)
+    assert p_first > P_OK and p_second > P_OK, (p_first, p_second)
+    assert sum(len(o) <= len(d) for o, d in zip(out, case.drafts)) > len(out) // 10
+
+    break_residual(monkeypatch)
+    out = rejection_sample(case.target_logits, case.drafts, case.draft_probs, st, positions)
+    p_first, p_second = first_two_pvalues(out, case.target0, case.target_next)
+    assert p_first < P_BROKEN and p_second < P_BROKEN, (p_first, p_second)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, "mixed"])
 def test_statistical_exactness(k: int | str, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(11)
@@ -247,18 +277,22 @@ def test_statistical_exactness(k: int | str, monkeypatch: pytest.MonkeyPatch) ->
         assert p_second < P_BROKEN, p_second
 
 
-def test_statistical_one_hot_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """draft_probs None (an n-gram drafter): drafts are arbitrary, treated as certain."""
-    torch.manual_seed(12)
+def one_hot_case() -> tuple[MarkovCase, Tensor, list[list[int]]]:
+    """The Markov case with deterministic guesses: target logits [N * 3, V] and drafts."""
     case = markov_case(torch.full((N_TRIALS,), 2), seed=22)
     # Deterministic guesses. The first is deliberately not uniform over the vocab: against
     # uniform guesses the residual bug happens to leave the first token's marginal intact.
     rows = torch.arange(N_TRIALS)
     guesses = torch.stack([(rows % V) // 2, (rows * 7 + 1) % V], 1)  # [N, 2]
-    drafts = guesses.tolist()
     target_logits = case.target_logits.reshape(N_TRIALS, 3, V).clone()
     target_logits[:, 1:] = case.target_next[guesses].log()  # rows follow the new drafts
-    target_logits = target_logits.reshape(-1, V).float()
+    return case, target_logits.reshape(-1, V).float(), guesses.tolist()
+
+
+def test_statistical_one_hot_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """draft_probs None (an n-gram drafter): drafts are arbitrary, treated as certain."""
+    torch.manual_seed(12)
+    case, target_logits, drafts = one_hot_case()
     st = plain_st(N_TRIALS)
     out = rejection_sample(target_logits, drafts, None, st)
     p_first, p_second = first_two_pvalues(out, case.target0, case.target_next)
@@ -268,6 +302,24 @@ def test_statistical_one_hot_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
     out = rejection_sample(target_logits, drafts, None, st)
     p_first, p_second = first_two_pvalues(out, case.target0, case.target_next)
     assert p_first < P_BROKEN and p_second < P_BROKEN, (p_first, p_second)
+
+
+def test_statistical_seeded_one_hot_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded rows with one-hot drafts take the keyed race: across seeds, the output follows the target."""
+    case, target_logits, drafts = one_hot_case()
+    st, positions = seeded_st(N_TRIALS)
+    out = rejection_sample(target_logits, drafts, None, st, positions)
+    assert all(1 <= len(o) <= 3 and o[:-1] == d[:len(o) - 1] for o, d in zip(out, drafts))
+    assert sum(len(o) == 1 for o in out) > N_TRIALS // 10 and sum(len(o) == 3 for o in out) > N_TRIALS // 40
+    p_first, p_second = first_two_pvalues(out, case.target0, case.target_next)
+    assert p_first > P_OK and p_second > P_OK, (p_first, p_second)
+
+    # The bug: draws keyed without the position, so every row reuses the first row's exponentials.
+    monkeypatch.setattr(rejection, "sample_keyed",
+                        lambda probs, seeds, pos: sample_keyed(probs, seeds, [positions[0]] * len(pos)))
+    out = rejection_sample(target_logits, drafts, None, st, positions)
+    p_first, p_second = first_two_pvalues(out, case.target0, case.target_next)
+    assert p_second < P_BROKEN, (p_first, p_second)
 
 
 def transformed_target() -> tuple[Tensor, Tensor]:

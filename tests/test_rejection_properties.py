@@ -4,14 +4,15 @@ Random small batches (vocab 2..8, up to 4 requests, up to 4 drafts or 8 tree nod
 mixing greedy, temperature, top-k and top-p rows, seeded and unseeded, with and without
 draft distributions. Whatever the input, the output must be well formed; on greedy rows
 it must be exactly the longest matching prefix (or tree path) plus the target argmax;
-tokens outside the target's support are never emitted; a draft equal to the target is
-always accepted. The exact output distribution is tested statistically elsewhere
+on seeded sampled rows with one-hot drafts it must be exactly what plain decoding with
+the same seed emits at those positions; tokens outside the target's support are never
+emitted; a draft equal to the target is always accepted. The exact output distribution is tested statistically elsewhere
 (tests/test_rejection.py, tests/test_tree_rejection.py).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -40,10 +41,10 @@ class Batch:
     logits: Tensor  # [T, V] target rows, request by request
     params: list[SamplingParams]
     seeds: list[int | None]
+    positions: list[int]  # [N] the position each request's first row decides (seeded rows' keys)
 
     def sampling(self) -> SamplingTensors:
-        gens = [None if s is None else torch.Generator().manual_seed(s) for s in self.seeds]
-        return SamplingTensors.from_params(self.params, gens)
+        return SamplingTensors.from_params([replace(p, seed=s) for p, s in zip(self.params, self.seeds)])
 
     def probs(self, rows: Sequence[int], params: SamplingParams) -> Tensor:
         """[len(rows), V] the target distributions of the given rows under params."""
@@ -53,6 +54,17 @@ class Batch:
 
 def argmax(logits: Tensor, row: int) -> int:
     return int(logits[row].argmax())
+
+
+def keyed(batch: Batch, request: int) -> bool:
+    """Sampled with a seed: the verifiers must reproduce plain decoding there."""
+    return batch.seeds[request] is not None and not batch.params[request].greedy
+
+
+def plain_token(batch: Batch, request: int, row: int, position: int) -> int:
+    """What plain decoding (a root-only verify) of the request emits from `row` at `position`."""
+    st_ = SamplingTensors.from_params([replace(batch.params[request], seed=batch.seeds[request])])
+    return rejection_sample(batch.logits[row : row + 1], [[]], None, st_, [position])[0][0]
 
 
 @st.composite
@@ -65,7 +77,8 @@ def batch_setup(draw: st.DrawFn, num_rows: list[int]) -> Batch:
     n = len(num_rows)
     params = draw(st.lists(st.sampled_from(MODES), min_size=n, max_size=n))
     seeds = draw(st.lists(st.none() | st.integers(0, 2**32), min_size=n, max_size=n))
-    return Batch(vocab, logits, params, seeds)
+    positions = draw(st.lists(st.integers(0, 4096), min_size=n, max_size=n))
+    return Batch(vocab, logits, params, seeds, positions)
 
 
 # ---- chain ----------------------------------------------------------------------------------
@@ -115,7 +128,8 @@ def greedy_chain(logits: Tensor, start: int, drafts: list[int]) -> list[int]:
 
 
 def run_chains(case: Chains) -> list[list[int]]:
-    return rejection_sample(case.batch.logits, case.drafts, case.draft_probs, case.batch.sampling())
+    return rejection_sample(case.batch.logits, case.drafts, case.draft_probs, case.batch.sampling(),
+                            case.batch.positions)
 
 
 @SAMPLERS
@@ -142,6 +156,22 @@ def test_chain_greedy_rows_accept_exactly_the_matching_prefix(case: Chains) -> N
 
 @SAMPLERS
 @given(case=chains())
+def test_chain_seeded_one_hot_rows_emit_plain_decoding(case: Chains) -> None:
+    out = rejection_sample(case.batch.logits, case.drafts, None, case.batch.sampling(), case.batch.positions)
+    for i, (tokens, drafts, start) in enumerate(zip(out, case.drafts, case.starts)):
+        if not keyed(case.batch, i):
+            continue
+        expected: list[int] = []
+        while True:  # plain decoding's token at each position, while the drafts agree
+            j = len(expected)
+            expected.append(plain_token(case.batch, i, start + j, case.batch.positions[i] + j))
+            if j == len(drafts) or drafts[j] != expected[-1]:
+                break
+        assert tokens == expected
+
+
+@SAMPLERS
+@given(case=chains())
 def test_chain_never_emits_a_token_the_target_excludes(case: Chains) -> None:
     out = run_chains(case)
     for tokens, start, params in zip(out, case.starts, case.batch.params):
@@ -155,9 +185,10 @@ def test_chain_never_emits_a_token_the_target_excludes(case: Chains) -> None:
 @given(case=chains(), temperature=st.sampled_from([0.5, 1.0]))
 def test_chain_draft_equal_to_target_is_always_accepted(case: Chains, temperature: float) -> None:
     params = SamplingParams(temperature=temperature)
-    batch = Batch(case.batch.vocab, case.batch.logits, [params] * len(case.drafts), case.batch.seeds)
+    batch = replace(case.batch, params=[params] * len(case.drafts))
     draft_rows = [s + j for s, d in zip(case.starts, case.drafts) for j in range(len(d))]
-    out = rejection_sample(batch.logits, case.drafts, batch.probs(draft_rows, params), batch.sampling())
+    out = rejection_sample(batch.logits, case.drafts, batch.probs(draft_rows, params), batch.sampling(),
+                           batch.positions)
     assert [tokens[:-1] for tokens in out] == case.drafts
 
 
@@ -221,7 +252,7 @@ def greedy_walk(logits: Tensor, start: int, tree: DraftTree) -> tuple[list[int],
 
 
 def run_trees(case: Trees) -> list[TreeResult]:
-    return tree_verify(case.batch.logits, case.trees, case.batch.sampling())
+    return tree_verify(case.batch.logits, case.trees, case.batch.sampling(), case.batch.positions)
 
 
 @SAMPLERS
@@ -250,6 +281,25 @@ def test_tree_greedy_rows_follow_the_argmax_path(case: Trees) -> None:
 
 @SAMPLERS
 @given(case=trees())
+def test_tree_seeded_one_hot_rows_emit_plain_decoding(case: Trees) -> None:
+    one_hot = [DraftTree(t.token_ids, t.parents) for t in case.trees]
+    out = tree_verify(case.batch.logits, one_hot, case.batch.sampling(), case.batch.positions)
+    for i, (result, tree, start) in enumerate(zip(out, one_hot, case.starts)):
+        if not keyed(case.batch, i):
+            continue
+        path, node = [], 0
+        while True:  # plain decoding's token at each depth; follow the first child carrying it
+            token = plain_token(case.batch, i, start + node, case.batch.positions[i] + len(path))
+            child = next((c for c in tree.children(node) if tree.token_ids[c] == token), None)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        assert (result.accepted_nodes, result.tokens) == (path, [tree.token_ids[c] for c in path] + [token])
+
+
+@SAMPLERS
+@given(case=trees())
 def test_tree_never_emits_a_token_the_target_excludes(case: Trees) -> None:
     out = run_trees(case)
     for result, tree, start, params in zip(out, case.trees, case.starts, case.batch.params):
@@ -266,13 +316,13 @@ def test_tree_draft_equal_to_target_accepts_the_first_children(case: Trees, temp
     # Each node drawn from exactly its parent's target distribution: the first child is
     # always accepted, so the walk goes down first children to a leaf.
     params = SamplingParams(temperature=temperature)
-    batch = Batch(case.batch.vocab, case.batch.logits, [params] * len(case.trees), case.batch.seeds)
+    batch = replace(case.batch, params=[params] * len(case.trees))
     same = []
     for tree, start in zip(case.trees, case.starts):
         target = batch.probs(range(start, start + tree.num_nodes), params)  # [N, V]
         rows = torch.tensor([max(p, 0) for p in tree.parents])  # the root row is unused
         same.append(DraftTree(tree.token_ids, tree.parents, target[rows]))
-    out = tree_verify(batch.logits, same, batch.sampling())
+    out = tree_verify(batch.logits, same, batch.sampling(), batch.positions)
     for result, tree in zip(out, same):
         path: list[int] = []
         node = 0

@@ -7,7 +7,8 @@ import torch
 from torch import Tensor
 
 import specdec.sampler as sampler
-from specdec.sampler import SamplingTensors, logits_to_probs, sample, top_logprobs
+from specdec.sampler import (ACCEPT_STREAM, RACE_STREAM, SamplingTensors, keyed_generator, keyed_seed,
+                             keyed_uniforms, logits_to_probs, sample, sample_keyed, sample_probs, top_logprobs)
 from specdec.sampling_params import SamplingParams
 
 
@@ -60,6 +61,23 @@ def test_repeat_and_select() -> None:
     assert not rep.all_greedy
     sel = st.select([0])
     assert sel.all_greedy and sel.generators == [None] and not sel.any_top_k
+
+
+def test_seeds_follow_the_rows() -> None:
+    params = [SamplingParams(seed=4), SamplingParams(), SamplingParams(seed=6, temperature=0.0)]
+    st = SamplingTensors.from_params(params)
+    assert st.seeds == [4, None, 6] and st.generators == [None] * 3
+    assert st.repeat([2, 1, 1]).seeds == [4, 4, None, 6]
+    assert st.select([2, 0]).seeds == [6, 4]
+    # Sampled, seeded and one-hot drafted: the greedy row 2 and the unseeded row 1 are not.
+    assert st.keyed_rows([True] * 3) == [0] and st.keyed_rows([False, True, True]) == []
+
+
+def test_min_p_leaves_other_rows_untouched() -> None:
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(5))
+    alone = logits_to_probs(logits[:1], make_st([SamplingParams()]))
+    mixed = logits_to_probs(logits, make_st([SamplingParams(), SamplingParams(min_p=0.3)]))
+    assert torch.equal(mixed[0], alone[0])  # bit for bit: a seeded row's pick must not depend on its neighbours
 
 
 # ---------------------------------------------------------------- logits_to_probs
@@ -197,6 +215,57 @@ def test_seed_reproducible_and_batch_independent() -> None:
     torch.manual_seed(2)  # the global RNG must not matter
     assert _draw(seed=123, steps=20, batch_extra=5) == alone
     assert _draw(seed=124, steps=20, batch_extra=0) != alone
+
+
+# ---------------------------------------------------------------- keyed draws
+
+
+def test_keyed_seed_is_deterministic_63_bit_and_distinct() -> None:
+    keys = [(s, t, stream) for s in range(60) for t in range(60) for stream in (RACE_STREAM, ACCEPT_STREAM)]
+    values = [keyed_seed(*k) for k in keys]
+    assert values == [keyed_seed(*k) for k in keys]
+    assert all(0 <= v < 2**63 for v in values)
+    assert len(set(values)) == len(values)
+    for seed in (-5, 2**64 - 1, 2**80 + 3):  # any Python int is a valid request seed
+        assert 0 <= keyed_seed(seed, 3, RACE_STREAM) < 2**63
+
+
+def test_keyed_seed_is_well_mixed() -> None:
+    """Neighbouring keys differ in about half their bits (63 / 2 on average)."""
+    flips = [bin(keyed_seed(s, t, 0) ^ keyed_seed(s, t + 1, 0)).count("1") for s in range(20) for t in range(50)]
+    flips += [bin(keyed_seed(s, t, 0) ^ keyed_seed(s + 1, t, 0)).count("1") for s in range(20) for t in range(50)]
+    flips += [bin(keyed_seed(s, t, 0) ^ keyed_seed(s, t, 1)).count("1") for s in range(20) for t in range(50)]
+    mean = sum(flips) / len(flips)
+    assert 30.5 < mean < 32.5 and min(flips) > 12, (mean, min(flips))
+
+
+def test_sample_keyed_is_the_race_with_the_keyed_generator() -> None:
+    probs = torch.softmax(torch.randn(3, 40, generator=torch.Generator().manual_seed(6)), -1)
+    seeds, positions = [1, 1, 2], [10, 11, 10]
+    gens: list[torch.Generator | None] = [keyed_generator(s, t, RACE_STREAM) for s, t in zip(seeds, positions)]
+    torch.manual_seed(0)
+    expected = sample_probs(probs, gens)
+    torch.manual_seed(1)  # the global RNG must not matter
+    assert torch.equal(sample_keyed(probs, seeds, positions), expected)
+
+
+def test_keyed_uniforms_prefix_and_stream() -> None:
+    long = keyed_uniforms(3, 7, 40)
+    assert torch.equal(keyed_uniforms(3, 7, 5), long[:5])  # the j-th sibling's draw ignores the count
+    assert bool(((long >= 0) & (long < 1)).all())
+    race = torch.rand(40, generator=keyed_generator(3, 7, RACE_STREAM))
+    assert not torch.equal(race, long)  # the two streams are distinct
+
+
+def test_keyed_race_matches_distribution_across_seeds() -> None:
+    """One draw per (seed, position) key, many keys: the categorical distribution; and a
+    control that the same check rejects a slightly wrong one."""
+    probs_row = torch.tensor([0.05, 0.4, 0.0, 0.25, 0.3])
+    n = 20_000
+    out = sample_keyed(probs_row.repeat(n, 1), [i // 7 for i in range(n)], [i % 7 for i in range(n)])
+    counts = torch.bincount(out, minlength=5)
+    assert chi2_pvalue(counts, probs_row) > 1e-3
+    assert chi2_pvalue(counts, torch.tensor([0.07, 0.38, 0.0, 0.25, 0.3])) < 1e-6
 
 
 # ---------------------------------------------------------------- top_logprobs

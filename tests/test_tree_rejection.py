@@ -3,8 +3,9 @@
 The statistical tests verify many independent requests in one batch, each with a
 two-level tree over a first-order Markov target, and check with chi-square tests that
 the emitted tokens follow the target. Each also runs a deliberately broken verifier
-(the residual update after a rejected child skips the subtraction) and asserts that the
-same check rejects it.
+(the residual update after a rejected child skips the subtraction; for the keyed race of
+seeded rows: draws keyed without the position, or a walk biased towards the argmax) and
+asserts that the same check rejects it.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch import Tensor
 from specdec import tree_rejection
 from specdec.tree import DraftTree
 from specdec.rejection import rejection_sample
-from specdec.sampler import SamplingTensors
+from specdec.sampler import SamplingTensors, sample_keyed
 from specdec.sampling_params import SamplingParams
 from specdec.tree_rejection import TreeResult, tree_verify
 
@@ -124,6 +125,8 @@ def test_shape_checks() -> None:
     with pytest.raises(ValueError, match="vocab"):
         tree_verify(torch.zeros(3, 8), [DraftTree.chain([1, 2, 3], torch.zeros(2, 5))], greedy_st(1))
     assert tree_verify(torch.zeros(0, 8), [], greedy_st(0)) == []
+    with pytest.raises(ValueError, match="positions"):
+        tree_verify(torch.zeros(7, 8), [HAND], SamplingTensors.from_params([SamplingParams(seed=1)]))
 
 
 # ---------------------------------------------------------------- chains
@@ -158,21 +161,17 @@ def test_greedy_chain_equals_chain_sampler() -> None:
 
 @pytest.mark.parametrize("with_probs", [True, False])
 def test_seeded_chain_equals_chain_sampler(with_probs: bool) -> None:
-    """Same seeds, same draws in the same order: identical outputs, step after step."""
+    """Same seeds and positions, same keyed draws: identical outputs, position after position."""
     n = 200
     drafts, logits, probs = random_chains(n, vocab=5, seed=2)
     draft_probs = probs if with_probs else None
-    params = [SamplingParams(temperature=0.9, seed=s) for s in range(n)]
-
-    def st() -> SamplingTensors:
-        return SamplingTensors.from_params(params, [torch.Generator().manual_seed(s) for s in range(n)])
-
-    st_tree, st_chain = st(), st()
+    st = SamplingTensors.from_params([SamplingParams(temperature=0.9, seed=s) for s in range(n)])
     trees = chain_trees(drafts, draft_probs)
     bonus = rejected = 0
-    for _ in range(5):  # several steps on the same generators
-        out = tree_verify(logits, trees, st_tree)
-        expected = rejection_sample(logits, drafts, draft_probs, st_chain)
+    for step in range(5):  # several steps at other positions
+        positions = [3 * s + 7 * step for s in range(n)]
+        out = tree_verify(logits, trees, st, positions)
+        expected = rejection_sample(logits, drafts, draft_probs, st, positions)
         assert [o.tokens for o in out] == expected
         bonus += sum(len(e) == len(d) + 1 for e, d in zip(expected, drafts) if d)
         rejected += sum(len(e) <= len(d) for e, d in zip(expected, drafts))
@@ -181,16 +180,15 @@ def test_seeded_chain_equals_chain_sampler(with_probs: bool) -> None:
 
 def _seeded_tree_run(seed: int, extra: int) -> list[int]:
     """Request 0 is seeded; `extra` unseeded requests with other trees share the batch."""
-    gen = torch.Generator().manual_seed(seed)
-    st = SamplingTensors.from_params([SamplingParams(seed=seed)] + [SamplingParams()] * extra,
-                                     [gen] + [None] * extra)
+    st = SamplingTensors.from_params([SamplingParams(seed=seed)] + [SamplingParams()] * extra)
     mine = torch.randn(7, 8, generator=torch.Generator().manual_seed(7))
     probs = torch.softmax(torch.randn(7, 8, generator=torch.Generator().manual_seed(8)), -1)
     trees = [DraftTree(HAND.token_ids, HAND.parents, probs)] + [HAND, DraftTree.chain([1, 2])] * (extra // 2)
     others = torch.randn(sum(t.num_nodes for t in trees[1:]), 8)  # global RNG
     outs: list[int] = []
-    for _ in range(10):
-        outs += tree_verify(torch.cat([mine, others]), trees, st)[0].tokens + [-1]
+    for step in range(10):
+        positions = [5 + 4 * step] + [step] * extra
+        outs += tree_verify(torch.cat([mine, others]), trees, st, positions)[0].tokens + [-1]
     return outs
 
 
@@ -256,27 +254,36 @@ def pvalues(out: list[TreeResult], target0: Tensor, target_next: Tensor) -> list
     return result
 
 
-def check_exact_then_broken(logits: Tensor, trees: list[DraftTree], target0: Tensor, target_next: Tensor,
-                            monkeypatch: pytest.MonkeyPatch) -> None:
-    st = plain_st(len(trees))
-    out = tree_verify(logits, trees, st)
+def seeded_st(n: int) -> tuple[SamplingTensors, list[int]]:
+    """n requests with distinct seeds at scattered positions: the sampling and the positions."""
+    st = SamplingTensors.from_params([SamplingParams(seed=s) for s in range(n)])
+    return st, [(s * 7919) % 1000 for s in range(n)]
+
+
+def check_well_formed(out: list[TreeResult], trees: list[DraftTree]) -> None:
     for o, tree in zip(out, trees):  # every answer: a root-to-node path, then one more token
         assert is_root_path(tree, o.accepted_nodes)
         assert o.tokens[:-1] == [tree.token_ids[i] for i in o.accepted_nodes]
     lengths = torch.bincount(torch.tensor([len(o.tokens) for o in out]), minlength=4)
     assert bool((lengths[1:] > len(trees) // 20).all()), lengths  # rejections at every depth, and bonuses
+
+
+def check_exact_then_broken(logits: Tensor, trees: list[DraftTree], target0: Tensor, target_next: Tensor,
+                            monkeypatch: pytest.MonkeyPatch, seeded: bool = False) -> None:
+    st, positions = seeded_st(len(trees)) if seeded else (plain_st(len(trees)), None)
+    out = tree_verify(logits, trees, st, positions)
+    check_well_formed(out, trees)
     p = pvalues(out, target0, target_next)
     assert min(p) > P_OK, p
 
     # The bug: a rejected child's draft is not subtracted from the residual.
     monkeypatch.setattr(tree_rejection, "residual_probs", lambda residual, draft: residual)
-    p = pvalues(tree_verify(logits, trees, st), target0, target_next)
+    p = pvalues(tree_verify(logits, trees, st, positions), target0, target_next)
     assert p[0] < P_BROKEN and p[1] < P_BROKEN, p
 
 
-def test_statistical_distinct_one_hot_children(monkeypatch: pytest.MonkeyPatch) -> None:
+def one_hot_markov_case() -> tuple[Tensor, list[DraftTree], Tensor, Tensor]:
     """Deterministic (top-k style) guesses: distinct siblings, varying over requests."""
-    torch.manual_seed(31)
     gen = torch.Generator().manual_seed(41)
     target0, target_next = random_dist((V,), gen), random_dist((V, V), gen)
     r = torch.arange(N_TRIALS)
@@ -285,12 +292,45 @@ def test_statistical_distinct_one_hot_children(monkeypatch: pytest.MonkeyPatch) 
     depth2 = torch.stack([depth1 + 1, depth1 + 3], 2).reshape(N_TRIALS, 6) % V  # [N, 6], distinct per parent
     tokens = torch.cat([torch.full((N_TRIALS, 1), 99 % V), depth1, depth2], 1)  # [N, 10]
     logits, trees = markov_trees(tokens, target0, target_next, None)
+    return logits, trees, target0, target_next
+
+
+def test_statistical_distinct_one_hot_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(31)
+    logits, trees, target0, target_next = one_hot_markov_case()
     check_exact_then_broken(logits, trees, target0, target_next, monkeypatch)
 
 
-def test_statistical_sampled_children(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_statistical_seeded_one_hot_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded rows take the keyed race: across seeds, the output follows the target."""
+    logits, trees, target0, target_next = one_hot_markov_case()
+    st, positions = seeded_st(N_TRIALS)
+    out = tree_verify(logits, trees, st, positions)
+    check_well_formed(out, trees)
+    p = pvalues(out, target0, target_next)
+    assert min(p) > P_OK, p
+
+    # Bug 1: draws keyed without the position, so every depth reuses the root's exponentials.
+    monkeypatch.setattr(tree_rejection, "sample_keyed",
+                        lambda probs, seeds, pos: sample_keyed(probs, seeds, [positions[0]] * len(pos)))
+    p = pvalues(tree_verify(logits, trees, st, positions), target0, target_next)
+    assert p[1] < P_BROKEN, p
+    monkeypatch.undo()
+
+    # Bug 2: the walk also moves to a child carrying the target's argmax when the pick is elsewhere.
+    carrying = tree_rejection._child_carrying
+
+    def biased(flat: tree_rejection.FlatTrees, node: Tensor, token: Tensor) -> Tensor:
+        picked = carrying(flat, node, token)  # [L]
+        return torch.where(picked >= 0, picked, carrying(flat, node, logits[node].argmax(-1)))
+
+    monkeypatch.setattr(tree_rejection, "_child_carrying", biased)
+    p = pvalues(tree_verify(logits, trees, st, positions), target0, target_next)
+    assert p[0] < P_BROKEN, p
+
+
+def sampled_markov_case() -> tuple[Tensor, list[DraftTree], Tensor, Tensor]:
     """Children drawn i.i.d. (with replacement) from a Markov draft, with its probabilities."""
-    torch.manual_seed(32)
     gen = torch.Generator().manual_seed(42)
     target0, target_next = random_dist((V,), gen), random_dist((V, V), gen)
     draft0, draft_next = random_dist((V,), gen), random_dist((V, V), gen)
@@ -301,4 +341,12 @@ def test_statistical_sampled_children(monkeypatch: pytest.MonkeyPatch) -> None:
     probs = torch.cat([torch.zeros(N_TRIALS, 1, V, dtype=torch.float64), draft0.expand(N_TRIALS, 3, V),
                        draft_next[depth1].repeat_interleave(2, dim=1)], 1).float()  # [N, 10, V]
     logits, trees = markov_trees(tokens, target0, target_next, probs)
-    check_exact_then_broken(logits, trees, target0, target_next, monkeypatch)
+    return logits, trees, target0, target_next
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_statistical_sampled_children(monkeypatch: pytest.MonkeyPatch, seeded: bool) -> None:
+    """Unseeded rows draw from the global RNG; seeded ones keep the residual method with keyed uniforms."""
+    torch.manual_seed(32)
+    logits, trees, target0, target_next = sampled_markov_case()
+    check_exact_then_broken(logits, trees, target0, target_next, monkeypatch, seeded)

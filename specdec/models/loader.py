@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from specdec.kernels.attention import AttentionBackend, make_attention_backend
 from specdec.kernels.gguf_blocks import QUANTIZABLE, QuantizedMatrix, quantize
 from specdec.kernels.linear import LinearBackend, get_linear_backend, resolve_linear_backend
-from specdec.kernels.linear_gguf import GgufLinear
+from specdec.kernels.linear_gguf import QUANT_BACKENDS, GgufLinear
 from specdec.kernels.quantized_tensor import QuantizedTensor
 from specdec.models.config import ModelConfig
 from specdec.models.gguf_loader import GgufTensors, is_gguf, model_config, open_gguf
@@ -63,6 +63,7 @@ def load_model(
     linear_backend: str = "fp32",
     attention_backend: str | AttentionBackend[Any] = "auto",
     quantization: str = "none",
+    quantized_activations: str = "float32",
 ) -> LlamaForCausalLM:
     """Build the model described by model_dir/config.json and load its safetensors, or
     the model of a .gguf file (model_dir the file) from its metadata and tensors.
@@ -70,7 +71,9 @@ def load_model(
     linear_backend names the projections' backend (kernels/linear.py; "auto": the
     default for `dtype`) unless `quantization` (one of QUANTIZATIONS) is not "none":
     then the projections keep a GGUF's own blocks ("gguf") or are quantized at load to
-    that block type (no float copy kept; a tied embedding table too), on its backend.
+    that block type (no float copy kept; a tied embedding table too), on its backend,
+    which quantizes the activations to int8 blocks first if quantized_activations is
+    "int8" (lossy, opt-in: kernels/linear_gguf.py).
     attention_backend names the attention backend
     (kernels/attention.py; "auto": the C++ kernels where they build, else torch) or is
     one to share (a draft model shares its target's). ValueError for an unknown or
@@ -86,7 +89,7 @@ def load_model(
     path = Path(model_dir)
     reader = open_gguf(path) if is_gguf(path) else None
     config = model_config(reader) if reader is not None else ModelConfig.from_dir(path)
-    linear = _linear_backend(linear_backend, quantization, dtype, reader is not None)
+    linear = _linear_backend(linear_backend, quantization, dtype, reader is not None, quantized_activations)
     attention = (make_attention_backend(attention_backend, device) if isinstance(attention_backend, str)
                  else attention_backend)
     model = LlamaForCausalLM(config, attention, dtype=dtype, device=device, max_positions=max_positions)
@@ -127,23 +130,28 @@ def _quantize_linears(model: LlamaForCausalLM, qtype: str) -> None:
                 setattr(module, name, nn.Parameter(blocks[id(param)], requires_grad=False))
 
 
-def _linear_backend(name: str, quantization: str, dtype: torch.dtype, gguf: bool) -> LinearBackend:
+def _linear_backend(name: str, quantization: str, dtype: torch.dtype, gguf: bool,
+                    activations: str = "float32") -> LinearBackend:
     """The projections' backend: `name`'s, or (whatever `name`) the one `quantization`
-    stores them for; EngineConfig refuses a linear_backend that would be left unused."""
+    stores them for, with `activations` (EngineConfig.quantized_activations); EngineConfig
+    refuses a linear_backend that would be left unused."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not one of {list(QUANTIZATIONS)}")
     if quantization == "none":
+        if activations != "float32":
+            raise ValueError(f"quantized_activations {activations!r} needs a quantization other than 'none'")
         return get_linear_backend(resolve_linear_backend(name, dtype))
     if dtype != torch.float32:
         raise ValueError(f"quantization {quantization!r} needs dtype float32 (activations stay fp32), got {dtype}")
     if quantization != "gguf":
-        return get_linear_backend(quantization)
+        get_linear_backend(quantization)  # ValueError if it does not run here
+        return next(cls for cls in QUANT_BACKENDS if cls.name == quantization)(activations)
     if not gguf:
         raise ValueError("quantization 'gguf' runs a .gguf model's own blocks; this model is an HF directory "
                          "(quantize it at load with q8_0, q4_0 or q4_1 instead)")
     if not GgufLinear.is_available():
         raise ValueError("quantization 'gguf' needs the C++ quantized kernel, which does not run here")
-    return GgufLinear()
+    return GgufLinear(activations)
 
 
 def weight_plan(config: ModelConfig) -> WeightPlan:

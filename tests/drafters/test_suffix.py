@@ -251,7 +251,7 @@ def test_bad_suffix_keys_are_named(key: str, value: Any) -> None:
 
 
 def test_suffix_keys_are_refused_for_other_methods() -> None:
-    with pytest.raises(ValueError, match=r"\['suffix_min_prob'\] apply to method 'suffix' only"):
+    with pytest.raises(ValueError, match=r"\['suffix_min_prob'\] apply to methods 'suffix' and 'hybrid' only"):
         SpeculativeConfig.from_dict({"method": "ngram", "suffix_min_prob": 0.5})
     assert suffix_spec(suffix_cache_max_requests=0, suffix_cross_request=False, suffix_min_prob=0) is not None
 

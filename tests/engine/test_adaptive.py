@@ -73,8 +73,8 @@ def test_linear_cost_turns_speculation_off_then_probes() -> None:
 def test_better_requests_get_drafts_first() -> None:
     planner = AdaptiveSpeculation(CostModel([1, 2, 64], [0.01, 0.0115, 0.2]), whole_drafts=False)
     for _ in range(10):
-        planner.observe_verify("good", 4, 4)
-        planner.observe_verify("bad", 4, 0)
+        planner.observe_verify("good", 4, 4, 4)
+        planner.observe_verify("bad", 4, 0, 4)
     bad, good = grant(planner, [limit("bad", 4), limit("good", 4)])
     assert bad == 0 and good >= 1
 
@@ -84,8 +84,8 @@ def test_acceptance_runs_make_later_tokens_worth_more() -> None:
     tokens are accepted, but once one is, the rest follow, so deep drafts still pay."""
     planner = AdaptiveSpeculation(CostModel([1, 8, 64], [0.010, 0.012, 0.1]), whole_drafts=False)
     for _ in range(10):
-        planner.observe_verify("runs", 5, 5)
-        planner.observe_verify("runs", 5, 0)
+        planner.observe_verify("runs", 5, 5, 5)
+        planner.observe_verify("runs", 5, 0, 5)
     counts = planner.stats.get("runs")
     assert counts.first == pytest.approx(0.5, abs=0.1) and counts.later > 0.9
     assert counts.gain(5) > 0.4

@@ -150,7 +150,7 @@ def test_graph_batch_sizes() -> None:
 
 
 def test_graph_shapes_cover_decode_and_verify() -> None:
-    plain = graph_shapes(EngineConfig(max_num_seqs=4))
+    plain = graph_shapes(EngineConfig(max_num_seqs=4, speculative_config=None))
     assert plain == [GraphShape(1, 1, False), GraphShape(2, 1, False), GraphShape(4, 1, False)]
     tree = graph_shapes(EngineConfig(max_num_seqs=2, speculative_config={  # type: ignore[arg-type]
         "method": "medusa", **MEDUSA_TREE}))

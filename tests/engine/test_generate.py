@@ -38,10 +38,10 @@ def test_plain_greedy_matches_transformers(tiny_model_dir) -> None:  # type: ign
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_batched_equals_one_at_a_time(tiny_model_dir, prefix_caching: bool) -> None:  # type: ignore[no-untyped-def]
-    single = LLM(str(tiny_model_dir), max_model_len=256)
+    single = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
     expected = [token_ids(single.generate([p], GREEDY))[0] for p in PROMPTS]
     # A budget of 16 tokens forces chunked prefill; 12 blocks of 16 force preemption.
-    batched = LLM(str(tiny_model_dir), max_model_len=192, max_num_batched_tokens=16,
+    batched = LLM(str(tiny_model_dir), max_model_len=192, max_num_batched_tokens=16, speculative_config=None,
                   kv_cache_memory=12 * block_bytes(single), enable_prefix_caching=prefix_caching)
     assert token_ids(batched.generate(PROMPTS, GREEDY)) == expected
     assert batched.get_metrics()["num_preemptions"] > 0

@@ -52,7 +52,7 @@ def check(name: str, text: str) -> None:
 
 @pytest.fixture(scope="module")
 def plain(tiny_model_dir: Any) -> LLM:
-    return LLM(str(tiny_model_dir), max_model_len=256)
+    return LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
 
 
 @pytest.fixture(scope="module")

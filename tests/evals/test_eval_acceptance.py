@@ -126,12 +126,15 @@ def test_cli_with_hf_baselines(tiny_model_dir: Path, tiny_draft_dir: Path, tmp_p
 
 
 def test_configs_and_prompt_sets() -> None:
-    configs = parse_configs(["ngram-k5", "draft-k3", '{"method": "ngram", "num_speculative_tokens": 2}'], "/d")
+    configs = parse_configs(["ngram-k5", "draft-k3", '{"method": "ngram", "num_speculative_tokens": 2}'], "/d", "m")
     assert configs == {"ngram-k5": {"method": "ngram", "num_speculative_tokens": 5},
                        "draft-k3": {"method": "draft_model", "num_speculative_tokens": 3, "model": "/d"},
                        "ngram-k2": {"method": "ngram", "num_speculative_tokens": 2}}
     with pytest.raises(ValueError, match="labelled"):
-        parse_configs(["ngram-k3", '{"method": "ngram", "num_speculative_tokens": 3}'], None)
+        parse_configs(["ngram-k3", '{"method": "ngram", "num_speculative_tokens": 3}'], None, "m")
+    default = parse_configs(["default"], None, "smollm2-135m-instruct")["default"]  # the engine's, with heads
+    assert default["method"] == "hybrid" and default["adaptive"] and default["model"].endswith("recurrent")
+    assert "model" not in parse_configs(["default"], None, "other-model")["default"]
     prompts = load_prompts(None, None)
     assert set(prompts) == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code",
                             "edit_loop", "template_extraction", "tool_call"}

@@ -1,0 +1,205 @@
+"""Hybrid drafting (method "hybrid"): each step, per request, the guesses of every drafter
+that is worth its cost, merged into one tree.
+
+Two drafters serve it. Suffix decoding (suffix.py) drafts from the request's own text and
+from earlier requests' outputs in microseconds, and is often right for long stretches when
+it finds a match. Learned heads (recurrent Medusa heads, recurrent_drafter.py) cost a few
+small forwards a step but guess open text, where suffix decoding finds nothing.
+
+Each step the suffix draft is made first. Its node chances (empirical probabilities),
+times a calibration measured from what the target accepted, give its expected accepted
+tokens. The heads run only for the requests where their own measured acceptance beats that
+by enough to pay for their time and for the extra verify rows, judged by expected committed
+tokens per second with the target's forward cost (adaptive.py's CostModel, when the config
+is adaptive). The drafts are then merged (specdec.tree.merge_drafts) by calibrated chance,
+and nodes worth less than the verify row they cost are cut.
+
+Every guess is deterministic (verified one-hot), so the merged tree is verified exactly as
+either drafter's tree would be: lossless for greedy and sampled requests alike.
+
+What the target accepted is read back from the request's tokens at its next step (the
+Drafter contract's reconciliation), so the drafter needs no hook in the engine.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from specdec.adaptive import CostModel, LineFit
+from specdec.drafters.base import Drafter, DraftRequest
+from specdec.drafters.recurrent_drafter import RecurrentDrafter
+from specdec.drafters.suffix import SuffixDrafter
+from specdec.tree import DraftTree, ScoredDraft, merge_drafts
+
+SUFFIX, HEADS = 0, 1
+SOURCES = ("suffix", "heads")
+DISCOUNT = 0.98  # per verify: the calibrations follow about the last 50
+REQUEST_DISCOUNT = 0.8
+HEADS_MARGIN = 0.05  # running the heads must promise 5% more tokens per second
+# The heads' trees stay small: each depth costs a heads step and an LM-head product per
+# expanded node, and their guesses beyond a few tokens are rarely right (their 6-node trees
+# were the fastest of their settings on open chat); suffix decoding drafts the long runs.
+HEADS_MAX_DEPTH = 5
+HEADS_MAX_NODES = 6
+
+
+@dataclass
+class _Calibration:
+    """Discounted accepted nodes against predicted chance: how far a source's chances are
+    to be trusted (starts at 1, trusted as given)."""
+
+    accepted: float = 1.0
+    predicted: float = 1.0
+
+    @property
+    def factor(self) -> float:
+        return min(self.accepted / max(self.predicted, 1e-9), 1.0)
+
+    def add(self, accepted: float, predicted: float, discount: float = DISCOUNT) -> None:
+        self.accepted = discount * self.accepted + accepted
+        self.predicted = discount * self.predicted + predicted
+
+
+@dataclass
+class _Offer:
+    """What a request was offered at its last step, to score once its tokens are known."""
+
+    root_position: int  # index of the root in the request's token ids
+    paths: list[list[tuple[tuple[int, ...], float]]]  # per source: (path of tokens, its chance) of its kept nodes
+
+
+@dataclass
+class _HeadsWorth:
+    """A request's accepted heads guesses per step that ran them (seeded from all requests')."""
+
+    accepted: float
+    steps: float
+
+    @property
+    def mean(self) -> float:
+        return self.accepted / max(self.steps, 1e-9)
+
+    def add(self, accepted: int, discount: float) -> None:
+        self.accepted = discount * self.accepted + accepted
+        self.steps = discount * self.steps + 1
+
+
+@dataclass
+class HybridDrafter(Drafter):
+    suffix: SuffixDrafter
+    heads: RecurrentDrafter | None
+    cost: CostModel | None  # the target's forward cost; None: no time model (heads whenever they are worth more)
+    calibrations: list[_Calibration] = field(default_factory=lambda: [_Calibration(), _Calibration()])
+    heads_total: _HeadsWorth = field(default_factory=lambda: _HeadsWorth(1.0, 1.0))
+    heads_worth: dict[str, _HeadsWorth] = field(default_factory=dict)
+    heads_seconds: LineFit = field(default_factory=LineFit)  # heads drafting time against requests drafted
+    offers: dict[str, _Offer] = field(default_factory=dict)
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        for request in requests:
+            self._score_offer(request)
+        suffix = [self.suffix.draft(r) for r in requests]
+        chosen = self._choose_heads(requests, suffix)
+        heads = self._run_heads([requests[i] for i in chosen])
+        min_chance = self._min_chance(requests, suffix)
+        trees = []
+        for i, request in enumerate(requests):
+            drafts = [(suffix[i], SUFFIX)] + ([(heads[chosen.index(i)], HEADS)] if i in chosen else [])
+            merged = merge_drafts(request.token_ids[-1], [(d, self.calibrations[s].factor) for d, s in drafts],
+                                  request.num_draft_tokens, min_chance)
+            self._remember(request, merged.tree, drafts)
+            trees.append(merged.tree)
+        return trees
+
+    def free(self, request_id: str) -> None:
+        self.suffix.free(request_id)
+        self.offers.pop(request_id, None)
+        self.heads_worth.pop(request_id, None)
+
+    def forget_cached(self) -> None:
+        self.suffix.forget_cached()
+
+    # ---- choosing ---------------------------------------------------------------------
+
+    def _expected(self, draft: ScoredDraft, source: int) -> float:
+        """Accepted tokens the draft promises, calibrated."""
+        return self.calibrations[source].factor * sum(draft.probs[1:])
+
+    def _choose_heads(self, requests: list[DraftRequest], suffix: list[ScoredDraft]) -> list[int]:
+        """Indices of the requests whose heads draft is worth running this step."""
+        if self.heads is None:
+            return []
+        gains = {i: self._heads_worth(r.request_id).mean - self._expected(suffix[i], SUFFIX)
+                 for i, r in enumerate(requests) if r.hidden is not None}
+        order = sorted((i for i, gain in gains.items() if gain > 0), key=lambda i: -gains[i])
+        if self.cost is None or not order:
+            return order
+        commits = len(requests) + sum(self._expected(d, SUFFIX) for d in suffix)
+        rows = len(requests) + sum(d.tree.num_drafts for d in suffix)
+        best, best_rate = 0, (1 + HEADS_MARGIN) * commits / self.cost.forward_time(rows)
+        for m, i in enumerate(order, start=1):
+            commits += gains[i]
+            rows += max(min(requests[i].num_draft_tokens, HEADS_MAX_NODES) - suffix[i].tree.num_drafts, 0)
+            rate = commits / (self.cost.forward_time(rows) + self._heads_time(m))
+            if rate > best_rate:
+                best, best_rate = m, rate
+        return order[:best]
+
+    def _heads_time(self, num_requests: int) -> float:
+        if self.heads_seconds.w == 0:
+            return 0.0
+        intercept, slope = self.heads_seconds.line(LineFit())
+        return max(intercept + slope * num_requests, 0.0)
+
+    def _min_chance(self, requests: list[DraftRequest], suffix: list[ScoredDraft]) -> float:
+        """The least chance a node must have to be worth its verify row: a row costs the
+        forward's slope in seconds, and the step earns commits / seconds."""
+        if self.cost is None:
+            return 0.0
+        commits = len(requests) + sum(self._expected(d, SUFFIX) for d in suffix)
+        rows = len(requests) + sum(d.tree.num_drafts for d in suffix)
+        return self.cost.slope() * commits / self.cost.forward_time(rows)
+
+    def _run_heads(self, requests: list[DraftRequest]) -> list[ScoredDraft]:
+        if not requests or self.heads is None:
+            return []
+        start = time.perf_counter()
+        drafts = self.heads.scored_trees([replace(r, num_draft_tokens=min(r.num_draft_tokens, HEADS_MAX_NODES),
+                                                  max_depth=min(r.max_depth, HEADS_MAX_DEPTH)) for r in requests])
+        self.heads_seconds.add(len(requests), time.perf_counter() - start)
+        return drafts
+
+    def _heads_worth(self, request_id: str) -> _HeadsWorth:
+        worth = self.heads_worth.get(request_id)
+        if worth is None:
+            mean = self.heads_total.mean
+            worth = self.heads_worth[request_id] = _HeadsWorth(2 * mean, 2.0)
+        return worth
+
+    # ---- learning -----------------------------------------------------------------------
+
+    def _remember(self, request: DraftRequest, tree: DraftTree, drafts: list[tuple[ScoredDraft, int]]) -> None:
+        """Keep, per source, the paths of its guesses that made it into the verified tree."""
+        kept = {tuple(tree.token_ids[n] for n in tree.path_to(i)[1:]) for i in range(1, tree.num_nodes)}
+        paths: list[list[tuple[tuple[int, ...], float]]] = [[], []]
+        for draft, source in drafts:
+            for i in range(1, draft.tree.num_nodes):
+                path = tuple(draft.tree.token_ids[n] for n in draft.tree.path_to(i)[1:])
+                if path in kept:
+                    paths[source].append((path, draft.probs[i]))
+        self.offers[request.request_id] = _Offer(len(request.token_ids) - 1, paths)
+
+    def _score_offer(self, request: DraftRequest) -> None:
+        """Learn from the request's last offer, now that the tokens after its root are known."""
+        offer = self.offers.pop(request.request_id, None)
+        if offer is None or len(request.token_ids) <= offer.root_position + 1:
+            return
+        committed = tuple(request.token_ids[offer.root_position + 1:])
+        for source, paths in enumerate(offer.paths):
+            if not paths:
+                continue
+            accepted = sum(1 for path, _ in paths if committed[: len(path)] == path)
+            self.calibrations[source].add(accepted, sum(chance for _, chance in paths))
+            if source == HEADS:
+                self._heads_worth(request.request_id).add(accepted, REQUEST_DISCOUNT)
+                self.heads_total.add(accepted, DISCOUNT)

@@ -1,0 +1,228 @@
+"""Hybrid drafting: merged trees, the choice of drafters per request, what it learns from
+the target's answers, and the whole engine lossless with it (greedy and seeded sampling)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.adaptive import CostModel
+from specdec.config import SpeculativeConfig
+from specdec.drafters.base import DraftRequest
+from specdec.drafters.hybrid import HEADS, SUFFIX, HybridDrafter
+from specdec.drafters.suffix import SuffixDrafter
+from specdec.tree import DraftTree, ScoredDraft, merge_drafts
+from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
+
+import torch
+
+
+def scored(tokens: list[int], parents: list[int], probs: list[float]) -> ScoredDraft:
+    return ScoredDraft(DraftTree(tokens, parents), probs)
+
+
+def paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    return {tuple(tree.token_ids[n] for n in tree.path_to(i)[1:]) for i in range(1, tree.num_nodes)}
+
+
+# ---- merge_drafts ---------------------------------------------------------------------------
+
+
+def test_merge_unites_paths_and_keeps_the_higher_chance() -> None:
+    a = scored([9, 1, 2, 3], [-1, 0, 1, 0], [1.0, 0.8, 0.6, 0.1])  # 9 -> 1 -> 2, 9 -> 3
+    b = scored([9, 1, 4], [-1, 0, 1], [1.0, 0.5, 0.4])  # 9 -> 1 -> 4
+    merged = merge_drafts(9, [(a, 1.0), (b, 1.0)], max_drafts=10)
+    assert paths(merged.tree) == {(1,), (1, 2), (3,), (1, 4)}
+    assert merged.probs[1] == 0.8  # the shared node (1,) keeps a's chance, and comes first
+    assert merged.tree.token_ids[0] == 9 and merged.tree.draft_probs is None
+
+
+def test_merge_weights_rank_the_drafts_best_first_within_the_budget() -> None:
+    a = scored([9, 1, 2], [-1, 0, 1], [1.0, 0.9, 0.8])
+    b = scored([9, 5, 6], [-1, 0, 1], [1.0, 0.9, 0.8])
+    assert paths(merge_drafts(9, [(a, 0.5), (b, 1.0)], max_drafts=2).tree) == {(5,), (5, 6)}
+    assert paths(merge_drafts(9, [(a, 1.0), (b, 0.5)], max_drafts=3).tree) == {(1,), (1, 2), (5,)}
+
+
+def test_merge_cuts_nodes_below_the_least_chance_with_their_subtrees() -> None:
+    a = scored([9, 1, 2, 3], [-1, 0, 1, 2], [1.0, 0.9, 0.05, 0.04])
+    b = scored([9, 7], [-1, 0], [1.0, 0.3])
+    merged = merge_drafts(9, [(a, 1.0), (b, 1.0)], max_drafts=10, min_prob=0.1)
+    assert paths(merged.tree) == {(1,), (7,)}
+    assert merge_drafts(9, [(a, 1.0)], max_drafts=10, min_prob=0.95).tree.num_drafts == 0
+
+
+def test_merge_refuses_sampled_drafts_and_other_roots() -> None:
+    sampled = ScoredDraft(DraftTree.chain([9, 1], torch.full((1, 4), 0.25)), [1.0, 0.5])
+    with pytest.raises(ValueError, match="one-hot"):
+        merge_drafts(9, [(sampled, 1.0)], max_drafts=4)
+    with pytest.raises(ValueError, match="share the root"):
+        merge_drafts(8, [(scored([9, 1], [-1, 0], [1.0, 0.5]), 1.0)], max_drafts=4)
+
+
+# ---- the drafter ----------------------------------------------------------------------------
+
+
+@dataclass
+class FakeHeads:
+    """Stands in for RecurrentDrafter.scored_trees: always guesses `guess` with chance 0.9."""
+
+    guess: list[int]
+    calls: list[list[str]] = field(default_factory=list)
+
+    def scored_trees(self, requests: list[DraftRequest]) -> list[ScoredDraft]:
+        self.calls.append([r.request_id for r in requests])
+        drafts = []
+        for r in requests:
+            chain = self.guess[: r.max_depth]
+            drafts.append(ScoredDraft(DraftTree.chain([r.token_ids[-1], *chain]), [1.0] + [0.9] * len(chain)))
+        return drafts
+
+
+def ask(request_id: str, token_ids: list[int], budget: int = 6) -> DraftRequest:
+    return DraftRequest(request_id, token_ids, budget, budget, SamplingParams(), hidden=torch.zeros(4))
+
+
+def hybrid(heads: FakeHeads | None, cost: CostModel | None = None) -> HybridDrafter:
+    spec = SpeculativeConfig(method="hybrid", num_speculative_tokens=6, num_tree_nodes=6, suffix_min_prob=0.0)
+    return HybridDrafter(SuffixDrafter(spec), heads, cost)  # type: ignore[arg-type]
+
+
+def test_without_heads_it_drafts_what_suffix_decoding_drafts() -> None:
+    context = [1, 2, 3, 4, 5, 1, 2, 3]
+    drafter = hybrid(None)
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=6, num_tree_nodes=6, suffix_min_prob=0.0)
+    expected = SuffixDrafter(spec).propose([ask("r", context)])[0]
+    assert drafter.propose([ask("r", context)])[0].token_ids == expected.token_ids == [3, 4, 5, 1]
+
+
+def test_heads_run_where_suffix_decoding_finds_nothing_and_are_merged_in() -> None:
+    heads = FakeHeads([50, 51, 52])
+    drafter = hybrid(heads)
+    tree = drafter.propose([ask("open", [10, 11, 12]), ask("copy", [1, 2, 3, 4, 5, 1, 2, 3])])
+    assert heads.calls == [["open"]]  # the copying request's suffix draft is worth more than the heads'
+    assert tree[0].token_ids == [12, 50, 51, 52]
+    assert tree[1].token_ids[:4] == [3, 4, 5, 1]
+
+
+def test_it_learns_from_the_committed_tokens() -> None:
+    heads = FakeHeads([50, 51, 52])
+    drafter = hybrid(heads)
+    context = [10, 11, 12]
+    for step in range(12):  # the target never takes the heads' guesses
+        drafter.propose([ask("r", context)])
+        context = context + [60 + step]
+    assert drafter.calibrations[HEADS].factor < 0.2
+    assert drafter.heads_worth["r"].mean < 0.1
+    calls = len(heads.calls)
+    drafter.propose([ask("r", context + [1, 2, 3, 1, 2])])  # and now a weak suffix match beats them
+    assert len(heads.calls) == calls
+    drafter.free("r")
+    assert "r" not in drafter.offers and "r" not in drafter.heads_worth
+
+
+def test_accepted_suffix_guesses_raise_its_calibration() -> None:
+    drafter = hybrid(None)
+    context = [1, 2, 3, 4, 1, 2]
+    drafter.calibrations[SUFFIX].accepted = 0.1  # as if it had been wrong before
+    before = drafter.calibrations[SUFFIX].factor
+    for _ in range(5):
+        tree = drafter.propose([ask("r", context)])[0]
+        context = context + tree.token_ids[1:3]  # the target takes two guesses each step
+    assert drafter.calibrations[SUFFIX].factor > before
+
+
+def test_the_cost_model_keeps_heads_off_when_their_time_outweighs_their_worth() -> None:
+    cost = CostModel([1, 8], [0.01, 0.012])
+    heads = FakeHeads([50, 51])
+    drafter = hybrid(heads, cost)
+    drafter.heads_seconds.add(1, 0.05)  # the heads took five forwards' time
+    drafter.heads_seconds.add(2, 0.06)
+    drafter.propose([ask("r", [10, 11, 12])])
+    assert heads.calls == []
+
+
+# ---- the engine -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir) -> LLM:  # type: ignore[no-untyped-def]
+    return LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_hybrid_is_lossless(plain, tiny_model_dir, tiny_recurrent_dir, adaptive: bool) -> None:  # type: ignore[no-untyped-def]
+    config = {"method": "hybrid", "num_speculative_tokens": 4, "num_tree_nodes": 8, "model": str(tiny_recurrent_dir),
+              "adaptive": adaptive}
+    spec = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=config)
+    for seed in range(4):
+        prompts = random_prompts(seed, 4)
+        assert token_ids(spec.generate(prompts, greedy())) == token_ids(plain.generate(prompts, greedy()))
+    assert spec.get_metrics()["num_drafts"] > 0
+    assert_all_blocks_free(spec)
+
+
+def test_hybrid_with_chunked_prefill_and_preemption(plain, tiny_model_dir, tiny_recurrent_dir) -> None:  # type: ignore[no-untyped-def]
+    from tests.helpers import block_bytes
+
+    prompts = random_prompts(100, 6)
+    expected = token_ids(plain.generate(prompts, greedy()))
+    config = {"method": "hybrid", "num_speculative_tokens": 4, "num_tree_nodes": 6, "model": str(tiny_recurrent_dir)}
+    spec = LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=24,
+               kv_cache_memory=9 * block_bytes(plain), speculative_config=config)
+    assert token_ids(spec.generate(prompts, greedy())) == expected
+    assert spec.get_metrics()["num_preemptions"] > 0 and spec.get_metrics()["num_drafts"] > 0
+    assert_all_blocks_free(spec)
+    assert spec.engine.drafter.offers == {} and spec.engine.drafter.suffix.contexts == {}  # type: ignore[union-attr]
+
+
+def test_hybrid_refuses_heads_that_are_not_recurrent(tiny_model_dir, tiny_medusa_dir) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="recurrent Medusa heads"):
+        LLM(str(tiny_model_dir), speculative_config={"method": "hybrid", "model": str(tiny_medusa_dir)})
+
+
+# ---- sampling through a tree that mixes drafters ------------------------------------------------
+
+
+def mixed_trees(n: int) -> list[DraftTree]:
+    """Per request a suffix-style chain and a heads-style branching tree merged into one:
+    shared first tokens for some requests, distinct for others, 2 to 3 levels deep."""
+    trees = []
+    for r in range(n):
+        v = V_MIXED
+        chain = scored([0, r % v, (r + 1) % v, (r // 3) % v], [-1, 0, 1, 2], [1.0, 0.7, 0.5, 0.3])
+        a, b = (r // 2) % v, (r // 2 + 1 + r % 3) % v
+        heads = scored([0, a, b, (a + 2) % v, (b + 4) % v], [-1, 0, 0, 1, 2], [1.0, 0.6, 0.3, 0.4, 0.2])
+        trees.append(merge_drafts(0, [(chain, 1.0), (heads, 0.8)], max_drafts=6).tree)
+    return trees
+
+
+V_MIXED = 6
+
+
+def test_sampling_through_mixed_trees_follows_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The emitted tokens of trees merged from two drafters follow a Markov target (chi-square,
+    as tests/test_tree_rejection.py does for one drafter), and a verifier that forgets the
+    residual update is caught by the same check."""
+    from specdec import tree_rejection
+    from specdec.sampler import SamplingTensors
+    from specdec.tree_rejection import tree_verify
+    from tests.test_tree_rejection import P_BROKEN, P_OK, pvalues, random_dist
+
+    n = 20_000
+    torch.manual_seed(33)
+    gen = torch.Generator().manual_seed(43)
+    target0, target_next = random_dist((V_MIXED,), gen), random_dist((V_MIXED, V_MIXED), gen)
+    trees = mixed_trees(n)
+    assert len({tuple(t.parents) for t in trees}) >= 3  # the merge made trees of several shapes
+    rows = [target0 if i == 0 else target_next[t.token_ids[i]] for t in trees for i in range(t.num_nodes)]
+    logits = torch.stack(rows).log().float()  # [G, V]
+    st = SamplingTensors.from_params([SamplingParams(temperature=1.0)] * n, [None] * n)
+    out = tree_verify(logits, trees, st)
+    assert sum(len(o.tokens) >= 3 for o in out) > n // 20  # accepted paths of two guesses and more
+    p = pvalues(out, target0, target_next)
+    assert min(p) > P_OK, p
+    monkeypatch.setattr(tree_rejection, "residual_probs", lambda residual, draft: residual)
+    p = pvalues(tree_verify(logits, trees, st), target0, target_next)
+    assert p[0] < P_BROKEN and p[1] < P_BROKEN, p
