@@ -188,7 +188,7 @@ def default_llm(model: str, speculative_config: dict[str, Any] | None, args: arg
     from specdec.llm import LLM
 
     return LLM(model, speculative_config=speculative_config, max_model_len=args.max_model_len,
-               dtype=args.dtype, seed=args.seed)
+               dtype=args.dtype, seed=args.seed, quantization=args.quantization)
 
 
 def engine_counters(llm: LLM) -> EngineMetrics:

@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and for HF assisted generation")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default="none", choices=("none", "gguf", "q8_0", "q4_0", "q4_1"),
+                        help="the engine's quantization (gguf: the default model's own Q4_1 blocks)")
     parser.add_argument("--seed", type=int, default=0, help="engine seed; prompt i samples with seed+i")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up conversations per config (not reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")

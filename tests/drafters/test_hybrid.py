@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from specdec import LLM, SamplingParams
 from specdec.adaptive import CostModel
@@ -14,8 +15,6 @@ from specdec.drafters.hybrid import HEADS, SUFFIX, HybridDrafter
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.tree import DraftTree, ScoredDraft, merge_drafts
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
-
-import torch
 
 
 def scored(tokens: list[int], parents: list[int], probs: list[float]) -> ScoredDraft:

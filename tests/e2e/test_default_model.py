@@ -30,7 +30,8 @@ SHIPPED_RECURRENT = Path(__file__).parents[2] / "drafters" / "weights" / "smollm
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(DEFAULT_MODEL, max_model_len=1024)
+    """Plain decoding (the engine's default speculates)."""
+    return LLM(DEFAULT_MODEL, max_model_len=1024, speculative_config=None)
 
 
 def chat_ids(llm: LLM, text: str) -> list[int]:
@@ -41,7 +42,8 @@ def test_plain_greedy_matches_transformers() -> None:
     from transformers import AutoModelForCausalLM
 
     # fp32 weights and K/V like the reference
-    llm = LLM(DEFAULT_MODEL, max_model_len=1024, linear_backend="fp32", kv_cache_dtype="fp32")
+    llm = LLM(DEFAULT_MODEL, max_model_len=1024, linear_backend="fp32", kv_cache_dtype="fp32",
+              speculative_config=None)
     hf = AutoModelForCausalLM.from_pretrained(str(llm.model_dir), dtype=torch.float32)
     prompts = [chat_ids(llm, c) for c in CHATS[:5]]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
@@ -50,7 +52,8 @@ def test_plain_greedy_matches_transformers() -> None:
         assert out.outputs[0].token_ids == ref
 
 
-CONFIGS = {
+CONFIGS: dict[str, dict[str, object] | str] = {
+    "default": "auto",  # what LLM(model) runs: adaptive hybrid drafting with the shipped heads
     "ngram": {"method": "ngram", "num_speculative_tokens": 5},
     "draft_model": {"method": "draft_model", "model": str(SHIPPED_DRAFT), "num_speculative_tokens": 3},
     "draft_tree": {"method": "draft_model", "model": str(SHIPPED_DRAFT), "num_speculative_tokens": 4,
@@ -80,7 +83,7 @@ def test_greedy_speculation_equals_plain(llm: LLM, name: str) -> None:
 def test_greedy_speculation_equals_plain_with_fp8_kv(name: str) -> None:
     """fp8 KV rounds per slot: verify rows (and moved tree paths, scales included) must
     store and read exactly what plain decoding does."""
-    plain = LLM(DEFAULT_MODEL, max_model_len=1024, kv_cache_dtype="fp8")
+    plain = LLM(DEFAULT_MODEL, max_model_len=1024, kv_cache_dtype="fp8", speculative_config=None)
     spec = LLM(DEFAULT_MODEL, max_model_len=1024, kv_cache_dtype="fp8", speculative_config=CONFIGS[name])
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     prompts = [chat_ids(plain, c) for c in CHATS]

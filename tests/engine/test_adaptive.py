@@ -115,7 +115,7 @@ def test_adaptive_engine_is_lossless(tiny_model_dir: Any, tiny_draft_dir: Any, m
         "draft_tree": {"method": "draft_model", "num_speculative_tokens": 3, "num_tree_nodes": 6,
                        "model": str(tiny_draft_dir)},
     }
-    plain = LLM(str(tiny_model_dir), max_model_len=256)
+    plain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
     spec = LLM(str(tiny_model_dir), max_model_len=256, speculative_config={**configs[method], "adaptive": True})
     planner = spec.engine.policy
     assert isinstance(planner, AdaptiveSpeculation)

@@ -27,7 +27,7 @@ def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int
 
 
 def test_plain_greedy_matches_transformers(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    llm = LLM(str(tiny_model_dir), max_model_len=256, linear_backend="fp32")
+    llm = LLM(str(tiny_model_dir), max_model_len=256, linear_backend="fp32", speculative_config=None)
     tok = llm.get_tokenizer()
     for prompt in PROMPTS[:3]:
         ids = tok.encode(prompt)
@@ -58,7 +58,7 @@ def test_prefix_cache_hits(tiny_model_dir) -> None:  # type: ignore[no-untyped-d
     second = llm.generate([shared + " two"], GREEDY)[0]
     assert first.metrics["num_cached_tokens"] == 0
     assert second.metrics["num_cached_tokens"] >= 16
-    fresh = LLM(str(tiny_model_dir), max_model_len=256)
+    fresh = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
     assert second.outputs[0].token_ids == fresh.generate([shared + " two"], GREEDY)[0].outputs[0].token_ids
     assert_all_blocks_free(llm)
 

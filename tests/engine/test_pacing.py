@@ -11,7 +11,7 @@ from tests.helpers import NGRAM, assert_all_blocks_free, greedy, random_prompts,
 def test_paced_chunks_change_no_output(tiny_model_dir: Any) -> None:
     prompts = random_prompts(3, 6)
     prompts[2] = prompts[2] * 8  # one long prompt among short ones
-    unpaced = LLM(str(tiny_model_dir), max_model_len=512, prefill_step_target_ms=0)
+    unpaced = LLM(str(tiny_model_dir), max_model_len=512, prefill_step_target_ms=0, speculative_config=None)
     expected = token_ids(unpaced.generate(prompts, greedy()))
     # A tiny target: every prefill that shares a step with a decode runs in minimum chunks.
     for spec in (None, NGRAM):

@@ -20,7 +20,7 @@ TRANSFORMS: list[dict[str, Any]] = [
 
 @pytest.fixture(scope="module")
 def plain(tiny_model_dir: Any) -> LLM:
-    return LLM(str(tiny_model_dir), max_model_len=256)
+    return LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS, ids=lambda t: next(iter(t)))

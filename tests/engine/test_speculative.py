@@ -9,7 +9,7 @@ from tests.helpers import NGRAM, assert_all_blocks_free, block_bytes, greedy, ra
 
 @pytest.fixture(scope="module")
 def plain(tiny_model_dir) -> LLM:  # type: ignore[no-untyped-def]
-    return LLM(str(tiny_model_dir), max_model_len=256)
+    return LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
 
 
 def spec_configs(tiny_model_dir, tiny_draft_dir) -> dict[str, dict]:  # type: ignore[no-untyped-def]
@@ -120,7 +120,8 @@ def test_bad_speculative_config_is_named(tiny_model_dir) -> None:  # type: ignor
 def test_verify_reproduces_decode_bit_for_bit(tiny_model_dir, tiny_draft_dir, method, attention) -> None:  # type: ignore[no-untyped-def]
     """With row-invariant linears (fp16) and attention, a verify row computes exactly what
     a decode step computes: the logprobs of every emitted token agree to the last bit."""
-    plain = LLM(str(tiny_model_dir), max_model_len=256, linear_backend="cpp-fp16", attention_backend=attention)
+    plain = LLM(str(tiny_model_dir), max_model_len=256, linear_backend="cpp-fp16", attention_backend=attention,
+                speculative_config=None)
     # The target as its own draft: long accepted runs, so many rows are verified.
     configs = {**spec_configs(tiny_model_dir, tiny_model_dir),
                "draft_tree": {"method": "draft_model", "num_speculative_tokens": 3, "num_tree_nodes": 8,

@@ -15,7 +15,7 @@ SUFFIX_TREE = {**SUFFIX, "num_tree_nodes": 8, "suffix_min_prob": 0.0}
 
 @pytest.fixture(scope="module")
 def plain(tiny_model_dir) -> LLM:  # type: ignore[no-untyped-def]
-    return LLM(str(tiny_model_dir), max_model_len=256)
+    return LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
 
 
 @pytest.mark.parametrize("config", [SUFFIX, SUFFIX_TREE, {**SUFFIX, "adaptive": True}],

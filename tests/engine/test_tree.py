@@ -13,7 +13,7 @@ def medusa(heads_dir, **extra: object) -> dict:  # type: ignore[no-untyped-def, 
 
 
 def test_medusa_chain_and_tree_are_lossless(tiny_model_dir, tiny_medusa_dir) -> None:  # type: ignore[no-untyped-def]
-    plain = LLM(str(tiny_model_dir), max_model_len=256)
+    plain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
     chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(tiny_medusa_dir))
     tree = LLM(str(tiny_model_dir), max_model_len=256,
                speculative_config=medusa(tiny_medusa_dir, num_tree_nodes=12,
@@ -44,7 +44,7 @@ def test_chain_as_tree_equals_chain(tiny_model_dir, request, heads: str, seed: i
 
 
 def test_tree_with_chunked_prefill_and_preemption(tiny_model_dir, tiny_medusa_dir) -> None:  # type: ignore[no-untyped-def]
-    plain = LLM(str(tiny_model_dir), max_model_len=128)
+    plain = LLM(str(tiny_model_dir), max_model_len=128, speculative_config=None)
     prompts = random_prompts(21, 6)
     expected = token_ids(plain.generate(prompts, greedy()))
     tree = LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=32, kv_cache_memory=10 * block_bytes(plain),
@@ -55,7 +55,7 @@ def test_tree_with_chunked_prefill_and_preemption(tiny_model_dir, tiny_medusa_di
 
 
 def test_draft_model_tree_is_lossless(tiny_model_dir, tiny_draft_dir) -> None:  # type: ignore[no-untyped-def]
-    plain = LLM(str(tiny_model_dir), max_model_len=256)
+    plain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
     tree = LLM(str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=64,
                speculative_config={"method": "draft_model", "model": str(tiny_draft_dir),
                                    "num_speculative_tokens": 3, "num_tree_nodes": 10})
@@ -69,7 +69,7 @@ def test_draft_model_tree_is_lossless(tiny_model_dir, tiny_draft_dir) -> None:  
 
 
 def test_recurrent_heads_chain_and_tree_are_lossless(tiny_model_dir, tiny_recurrent_dir) -> None:  # type: ignore[no-untyped-def]
-    plain = LLM(str(tiny_model_dir), max_model_len=256)
+    plain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
     chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(tiny_recurrent_dir))
     tree = LLM(str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=64,
                speculative_config=medusa(tiny_recurrent_dir, num_tree_nodes=10,

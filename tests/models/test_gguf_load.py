@@ -170,7 +170,8 @@ PROMPTS = [[5, 6, 7] * 10, [9, 10, 11, 12] * 6 + [9, 10], [20, 21] * 12]
 def test_greedy_output_equals_transformers_and_speculation_is_lossless(tiny_gguf: Path,
                                                                        transformers_model: Any) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    plain = LLM(str(tiny_gguf), quantization="gguf", max_model_len=128, kv_cache_memory=KV_BYTES)
+    plain = LLM(str(tiny_gguf), quantization="gguf", max_model_len=128, kv_cache_memory=KV_BYTES,
+                speculative_config=None)
     spec = LLM(str(tiny_gguf), quantization="gguf", max_model_len=128, kv_cache_memory=KV_BYTES,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     outputs = [list(o.outputs[0].token_ids) for o in plain.generate(PROMPTS, greedy)]
@@ -262,7 +263,7 @@ def test_k_quants_run_on_their_exactly_repacked_blocks(tiny_model_dir: Path, tmp
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
 def test_quantize_at_load_keeps_blocks_only_and_speculation_lossless(tiny_model_dir: Path, qtype: str) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    plain = LLM(str(tiny_model_dir), quantization=qtype, max_model_len=128, kv_cache_memory=KV_BYTES)
+    plain = LLM(str(tiny_model_dir), quantization=qtype, max_model_len=128, kv_cache_memory=KV_BYTES, speculative_config=None)
     spec = LLM(str(tiny_model_dir), quantization=qtype, max_model_len=128, kv_cache_memory=KV_BYTES,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     model = plain.engine.model
@@ -302,7 +303,8 @@ def test_the_default_model_on_its_own_q4_1_blocks_matches_transformers() -> None
 
     from specdec.model_registry import resolve_model
 
-    llm = LLM(DEFAULT_MODEL, quantization="gguf", max_model_len=512, kv_cache_memory=1 << 26, kv_cache_dtype="fp32")
+    llm = LLM(DEFAULT_MODEL, quantization="gguf", max_model_len=512, kv_cache_memory=1 << 26, kv_cache_dtype="fp32",
+              speculative_config=None)
     assert isinstance(llm.engine.model.layers[0].qkv_proj.weight, QuantizedTensor)
     hf = AutoModelForCausalLM.from_pretrained(str(resolve_model(DEFAULT_MODEL)), dtype=torch.float32).eval()
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",

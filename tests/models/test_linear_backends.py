@@ -211,7 +211,8 @@ def _lossless_cases() -> list[object]:
 
 @pytest.mark.parametrize("name", _lossless_cases())
 def test_greedy_speculation_equals_plain_greedy_within_a_backend(tiny_model_dir: Path, name: str) -> None:
-    plain = LLM(str(tiny_model_dir), max_model_len=128, kv_cache_memory=KV_BYTES, linear_backend=name)
+    plain = LLM(str(tiny_model_dir), max_model_len=128, kv_cache_memory=KV_BYTES, linear_backend=name,
+                speculative_config=None)
     spec = LLM(str(tiny_model_dir), max_model_len=128, kv_cache_memory=KV_BYTES, linear_backend=name,
                speculative_config=NGRAM)
     assert spec.engine.model.linear_backend.name == name

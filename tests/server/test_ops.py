@@ -44,9 +44,9 @@ COMPLETION: dict[str, Any] = {"model": "tiny", "prompt": "zebra secret words", "
 @pytest.fixture(scope="module")
 def ops(tiny_model_dir: Path) -> Iterator[RunningServer]:
     """A server with every operations flag on, short intervals so tests see them act."""
-    running = serve_in_thread(tiny_model_dir, "--speculative-config", "none", "--sse-keepalive", str(KEEPALIVE_SECONDS), "--stats-interval",
-                              str(STATS_SECONDS), "--enable-log-requests", "--allowed-origins",
-                              f"{ORIGIN},https://other.example", "--allowed-methods", "GET,POST")
+    running = serve_in_thread(tiny_model_dir, "--speculative-config", "none", "--sse-keepalive",
+                              str(KEEPALIVE_SECONDS), "--stats-interval", str(STATS_SECONDS), "--enable-log-requests",
+                              "--allowed-origins", f"{ORIGIN},https://other.example", "--allowed-methods", "GET,POST")
     yield running
     running.stop()
 
