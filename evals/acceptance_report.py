@@ -94,7 +94,8 @@ def build_report(args: argparse.Namespace, configs: dict[str, Any], config_info:
     meta = {"model": args.model, "model_dir": str(llm.model_dir) if llm else None,
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "max_tokens": args.max_tokens,
             "temperatures": args.temperatures, "num_prompts_per_category": args.num_prompts,
-            "dtype": args.dtype, "quantization": args.quantization, "seed": args.seed, "warmup": args.warmup, "torch": torch.__version__,
+            "dtype": args.dtype, "quantization": args.quantization, "seed": args.seed, "warmup": args.warmup,
+            "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "machine": platform.platform(),
             "configs": list(configs)}
     return {

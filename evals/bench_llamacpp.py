@@ -143,11 +143,20 @@ def bench_batch1(args: argparse.Namespace, model: Path, python: Path) -> tuple[d
         rounds[LLAMACPP].append(run_llamacpp(python, model, prompts, args))
         for label in rotated(list(engines), r):
             note(f"round {r + 1}/{args.rounds}: {label}, load {load():.2f}")
+            forget_earlier_rounds(engines[label])
             rounds[label].append([run_specdec(engines[label], p.ids, args.max_tokens) for p in prompts])
     kept = {label: keep_per_prompt(runs, args.keep) for label, runs in rounds.items()}
     result = {"prompts": [{"category": p.category, "group": p.group, "prompt_tokens": len(p.ids)} for p in prompts],
               "rounds": rounds, "kept": kept, "rows": batch1_rows(kept, prompts)}
     return result, prompts
+
+
+def forget_earlier_rounds(llm: LLM) -> None:
+    """Empty the drafter's cross-request cache (suffix decoding's): a round must not draft a
+    prompt's answer from that prompt's run in an earlier round or the warm-up. Within a
+    round the prompts differ, and earlier answers are drafted from as a server would."""
+    if llm.engine.drafter is not None:
+        llm.engine.drafter.forget_cached()
 
 
 def rotated(items: list[str], shift: int) -> list[str]:

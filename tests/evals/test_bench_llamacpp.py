@@ -102,3 +102,17 @@ def test_run_specdec_stamps_the_first_token(tiny_model_dir: Path) -> None:
     out = bench.run_specdec(llm, [1, 2, 3, 1, 2, 3, 1, 2], 12)
     assert len(out["tokens"]) == 12 and 0 < out["first_s"] <= out["last_s"]
     assert out["drafted"] >= out["accepted"] >= 0
+
+
+def test_a_round_does_not_draft_from_its_prompts_earlier_runs(tiny_model_dir: Path) -> None:
+    """Suffix decoding caches every answer: without emptying that cache, a second round
+    would draft each prompt's whole answer from its first run."""
+    llm = LLM(str(tiny_model_dir), speculative_config={"method": "suffix", "num_speculative_tokens": 8},
+              max_model_len=256)
+    prompt = [5, 9, 17, 33, 65, 129]
+    first = bench.run_specdec(llm, prompt, 24)
+    repeat = bench.run_specdec(llm, prompt, 24)
+    assert repeat["accepted"] > first["accepted"]  # the cached answer was drafted
+    bench.forget_earlier_rounds(llm)
+    assert bench.run_specdec(llm, prompt, 24)["accepted"] == first["accepted"]
+    bench.forget_earlier_rounds(LLM(str(tiny_model_dir), max_model_len=64, speculative_config=None))  # no drafter
