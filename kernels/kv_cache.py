@@ -6,8 +6,11 @@ slot's stored value depends on its own key alone. Reads dequantise: stored * sca
 """
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,10 +35,10 @@ class PagedKV:
               dtype: torch.dtype, device: torch.device | str = "cpu") -> PagedKV:
         # Zeros, not empty: masked-out slots are still multiplied by zero weights.
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        k, v = (lazy_zeros(shape, dtype, device) for _ in range(2))
         if dtype != FP8:
             return cls(k, v)
-        k_scale, v_scale = (torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device) for _ in range(2))
+        k_scale, v_scale = (lazy_zeros(shape[:3], SCALE_DTYPE, device) for _ in range(2))
         return cls(k, v, k_scale, v_scale)
 
     @staticmethod
@@ -55,6 +58,18 @@ class PagedKV:
     def tensors(self) -> list[Tensor]:
         """Every tensor indexed by slot: k, v and, for fp8, their scales."""
         return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """torch.zeros(shape), except that on the CPU it is an anonymous memory map: its pages
+    come zeroed from the OS and become resident only when first written, so an idle engine's
+    KV pool costs no memory and a busy one what its requests fill. (torch.zeros writes every
+    page, and malloc's calloc may too.) Page aligned; the tensor keeps the map alive."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    pages = np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]
+    return torch.from_numpy(pages).view(dtype).view(shape)
 
 
 def slot_rows(cache: Tensor) -> Tensor:  # [num_blocks, block_size, ...] -> [num_slots, ...]

@@ -178,3 +178,22 @@ def test_move_kv_moves_data_and_scales(dtype: torch.dtype) -> None:
             assert torch.equal(new_flat[dst], old_flat[src])
             untouched = [s for s in range(12) if s not in dst.tolist()]
             assert torch.equal(new_flat[untouched], old_flat[untouched])
+
+
+def _resident_bytes() -> int:
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(fields["VmRSS"].split()[0]) * 1024
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, FP8])
+def test_an_unwritten_kv_pool_takes_no_resident_memory(dtype: torch.dtype) -> None:
+    """The pool is all zeros, but its pages become resident only when a slot is written:
+    an idle server does not hold its whole --kv-cache-memory."""
+    before = _resident_bytes()
+    cache = PagedKV.zeros(4096, 16, 4, 64, dtype)  # 2 x 16 or 32 MiB of K/V (+ scales for fp8)
+    pool = sum(t.nbytes for t in cache.tensors())
+    assert _resident_bytes() - before < pool // 4
+    cache.k[3].view(torch.uint8).fill_(1)  # a written block reads back; the rest stays zero
+    written = cache.k.view(torch.uint8).sum(dtype=torch.int64)
+    assert written == cache.k[3].numel() * cache.k.element_size() and cache.v.view(torch.uint8).sum() == 0
+    assert all(t.is_contiguous() and t.data_ptr() % 64 == 0 for t in cache.tensors())
