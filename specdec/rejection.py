@@ -94,12 +94,12 @@ def rejection_sample(
     keyed = st.keyed_rows([draft_probs is None] * len(greedy))
     if keyed:
         assert positions is not None  # _check_shapes
-        rows = _device_index(keyed, target_logits.device)  # [K]
+        rows = device_index(keyed, target_logits.device)  # [K]
         num_accepted[rows], final_token[rows] = _keyed(
             target_logits, layout, st, keyed, [positions[i] for i in keyed], [len(draft_token_ids[i]) for i in keyed])
     stochastic = sorted(set(i for i, g in enumerate(greedy) if not g) - set(keyed))
     if stochastic:
-        rows = _device_index(stochastic, target_logits.device)  # [S]
+        rows = device_index(stochastic, target_logits.device)  # [S]
         num_accepted[rows], final_token[rows] = _stochastic(
             target_logits, draft_probs, layout, st, stochastic, [len(draft_token_ids[i]) for i in stochastic],
             None if positions is None else [positions[i] for i in stochastic])
@@ -108,7 +108,8 @@ def rejection_sample(
     return [drafts[:n] + [tok] for drafts, n, tok in zip(draft_token_ids, accepted_counts, final_tokens)]
 
 
-def _device_index(values: list[int], device: torch.device) -> Tensor:  # [len(values)] int64
+def device_index(values: list[int], device: torch.device) -> Tensor:  # [len(values)] int64
+    """Host indices as an int64 tensor on `device`, copied without waiting for it."""
     return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
@@ -133,7 +134,7 @@ def _keyed(
 ) -> tuple[Tensor, Tensor]:  # num_accepted [K], final token [K]
     sub = st.select(requests)
     seeds = [s for s in sub.seeds if s is not None]
-    idx = _device_index(requests, target_logits.device)  # [K]
+    idx = device_index(requests, target_logits.device)  # [K]
     target_rows = layout.target_rows[idx]  # [K, Kmax + 1]
     tokens = layout.tokens[idx]  # [K, Kmax]
     valid = layout.valid[idx]  # [K, Kmax]
@@ -145,7 +146,7 @@ def _keyed(
     # Position by position, so that a row draws the V exponentials of a position only once
     # it gets there: one race per emitted token, as in plain decoding.
     while matching:
-        at = _device_index(matching, target_logits.device)  # [L]
+        at = device_index(matching, target_logits.device)  # [L]
         choice = sample_keyed(target_probs[target_rows[at, j]], [seeds[k] for k in matching],
                               [positions[k] + j for k in matching])  # [L]
         final[at] = choice
@@ -168,7 +169,7 @@ def _stochastic(
     positions: list[int] | None,  # [S] position each first row decides; None if no row is seeded
 ) -> tuple[Tensor, Tensor]:  # num_accepted [S], final token [S]
     sub = st.select(requests)
-    idx = _device_index(requests, target_logits.device)  # [S]
+    idx = device_index(requests, target_logits.device)  # [S]
     target_rows = layout.target_rows[idx]  # [S, K + 1]
     tokens = layout.tokens[idx]  # [S, K]
     num_draft = layout.num_draft[idx]  # [S]

@@ -46,7 +46,7 @@ from itertools import chain
 import torch
 from torch import Tensor
 
-from specdec.rejection import check_positions, residual_probs
+from specdec.rejection import check_positions, device_index, residual_probs
 from specdec.sampler import (
     RACE_STREAM,
     SamplingTensors,
@@ -135,20 +135,16 @@ def tree_verify(
     keyed = st.keyed_rows([t.draft_probs is None for t in trees])
     if keyed:
         assert positions is not None  # _check_shapes
-        rows = _device_index(keyed, target_logits.device)  # [K]
+        rows = device_index(keyed, target_logits.device)  # [K]
         last_node[rows], final_token[rows] = _keyed(target_logits, flat, st, keyed, [positions[b] for b in keyed])
     stochastic = sorted(set(b for b, g in enumerate(greedy) if not g) - set(keyed))
     if stochastic:
-        rows = _device_index(stochastic, target_logits.device)  # [S]
+        rows = device_index(stochastic, target_logits.device)  # [S]
         last_node[rows], final_token[rows] = _stochastic(target_logits, trees, flat, st, stochastic, positions)
     # The greedy path's one wait for the GPU: both results come back in one copy.
     last_nodes, final_tokens = torch.stack([last_node, final_token]).tolist()
     return [_result(tree, node - start, tok) for tree, start, node, tok
             in zip(trees, flat.starts, last_nodes, final_tokens)]
-
-
-def _device_index(values: list[int], device: torch.device) -> Tensor:  # [len(values)] int64
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _greedy(target_logits: Tensor, flat: FlatTrees) -> tuple[Tensor, Tensor]:
@@ -178,14 +174,14 @@ def _keyed(
     sub = st.select(requests)
     seeds = [s for s in sub.seeds if s is not None]
     target_probs = _target_probs(target_logits, flat, sub, requests)  # [G, V], K trees filled
-    node = _device_index([flat.starts[b] for b in requests], target_logits.device)  # [K] starting at the roots
+    node = device_index([flat.starts[b] for b in requests], target_logits.device)  # [K] starting at the roots
     final = torch.empty_like(node)  # [K]
     walking = list(range(len(requests)))  # host-side: rows whose last pick matched a child
     depth = 0
     # Level by level, so that a row draws the V exponentials of a position only once the
     # walk reaches it: one race per emitted token, as in plain decoding.
     while walking:
-        at = _device_index(walking, node.device)  # [L]
+        at = device_index(walking, node.device)  # [L]
         here = node[at]  # [L]
         choice = sample_keyed(target_probs[here], [seeds[k] for k in walking],
                               [positions[k] + depth for k in walking])  # [L]
@@ -221,7 +217,7 @@ def _stochastic(
     target_probs = _target_probs(target_logits, flat, sub, requests)  # [G, V], S trees filled
     draft_probs = _flat_draft_probs(trees, target_logits.shape[1], target_logits.device)  # [G, V] or None
     uniform = _node_uniforms(trees, flat, sub.seeds, requests, positions, target_logits.device)  # [G]
-    node = _device_index([flat.starts[b] for b in requests], target_logits.device)  # [S] starting at the roots
+    node = device_index([flat.starts[b] for b in requests], target_logits.device)  # [S] starting at the roots
     residual = target_probs[node]  # [S, V]
     active = torch.ones_like(node, dtype=torch.bool)  # [S] still walking down
     # The two early exits below wait for the GPU, at most (C + 1) times per level: cheaper
