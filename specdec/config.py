@@ -235,10 +235,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}")
         from specdec.kernels.linear import default_linear_backend, get_linear_backend
+        from specdec.kernels.linear_quant import ACTIVATIONS
 
-        if self.quantized_activations not in ("float32", "int8"):
+        if self.quantized_activations not in ACTIVATIONS:
             raise ValueError(f"quantized_activations {self.quantized_activations!r} is not one of "
-                             "['float32', 'int8']")
+                             f"{list(ACTIVATIONS)}")
         if self.quantized_activations == "int8" and self.quantization == "none":
             raise ValueError("quantized_activations 'int8' applies to the quantized kernels: it needs quantization "
                              "gguf, q8_0, q4_0 or q4_1, not 'none'")
