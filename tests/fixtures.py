@@ -45,12 +45,12 @@ def make_checkpoint(path: Path, model_type: str = "llama", seed: int = 0, num_la
     path.mkdir(parents=True, exist_ok=True)
     make_tokenizer(path, vocab_size)
     cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
-    config = getattr(transformers, cls[model_type])(
+    options: dict[str, object] = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         tie_word_embeddings=True, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        **overrides,
     )
+    config = getattr(transformers, cls[model_type])(**{**options, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(path))

@@ -13,6 +13,9 @@ Written for batch-1 CPU decoding, where Python and per-op overhead rival the mat
   its weight packed for it; `use_linear_backend` repacks them all.
 - Attention goes through the model's attention backend (kernels/attention.py), chosen
   once: it plans each step once (`plan`), then every layer stores its K/V and attends.
+- On the CPU, where every projection, the attention and the K/V store have C++ kernels,
+  all layers run in one C++ call (kernels/decoder_cpu.py) calling those same kernels;
+  this module's layer code is then its reference (`cpu_layer_loop = False` runs it).
 Parameters have requires_grad=False: this is an inference engine, and it keeps autograd
 out of the way even when a caller forgets torch.inference_mode().
 """
@@ -26,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.kernels import AttentionBackend, AttentionMetadata, AttentionPlan, PagedKV, rms_norm_cpu
+from specdec.kernels import AttentionBackend, AttentionMetadata, AttentionPlan, PagedKV, decoder_cpu, rms_norm_cpu
+from specdec.kernels.attention_cpu import CppPlan
 from specdec.kernels.linear_base import LinearBackend
 from specdec.models.config import ModelConfig, RopeConfig
 from specdec.models.linear import PackedLinear, install_linears, pack_linears
@@ -183,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
 
     `attention_backend` (a plain attribute, replaceable between steps) computes attention;
     every projection starts on the fp32 linear backend until `use_linear_backend`.
+    `cpu_layer_loop` (default True) runs the layers in one C++ call where they can.
     """
 
     rope_cos: Tensor
@@ -209,6 +214,8 @@ class LlamaForCausalLM(nn.Module):
         tied = self.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = PackedLinear(hidden, vocab, False, dtype, device, weight=tied)
         self._init_rope(config, max_positions or config.max_position_embeddings, dtype, device)
+        self.cpu_layer_loop = True
+        self._decoder_layers: decoder_cpu.DecoderLayers | None | bool = None  # False: cannot; None: not built
 
     def _init_rope(
         self,
@@ -240,6 +247,7 @@ class LlamaForCausalLM(nn.Module):
         and make the forward use them; the parameters are left as they are. ValueError if
         `backend` needs float32 and the model is not."""
         install_linears(self, pack_linears(self, backend))
+        self._decoder_layers = None
 
     def tie_weights(self) -> None:
         """Point a tied LM head at the current embedding table (after the loader replaced
@@ -247,6 +255,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
             self.lm_head.use_backend(self.lm_head.backend)
+        self._decoder_layers = None
 
     def forward(
         self,
@@ -256,13 +265,43 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> Tensor:  # [T, hidden], after the final norm
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos = F.embedding(positions, self.rope_cos).unsqueeze(1)  # [T, 1, D]
-        sin = F.embedding(positions, self.rope_sin).unsqueeze(1)
         attention = self.attention_backend
         plan = attention.plan(meta, kv_caches[0])  # once per step, for every layer
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, attention, plan)
+        layers = self._layer_loop(plan, kv_caches[0])
+        if layers is not None and isinstance(plan, CppPlan) and plan.rows is not None:
+            layers.run(hidden, positions, self.rope_cos, self.rope_sin, kv_caches, meta.slot_mapping, plan.rows,
+                       self.layers[0].scale)
+        else:
+            cos = F.embedding(positions, self.rope_cos).unsqueeze(1)  # [T, 1, D]
+            sin = F.embedding(positions, self.rope_sin).unsqueeze(1)
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden = layer(hidden, cos, sin, kv_cache, attention, plan)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def _layer_loop(self, plan: AttentionPlan, kv: PagedKV) -> decoder_cpu.DecoderLayers | None:
+        """The C++ layer loop, if it runs this model and step's cache: which does not depend
+        on the step's tokens, so decode and verify steps take the same path."""
+        if not (self.cpu_layer_loop and isinstance(plan, CppPlan) and plan.rows is not None
+                and decoder_cpu.supports_cache(kv)):
+            return None
+        if self._decoder_layers is None:
+            self._decoder_layers = self._build_layer_loop() or False
+        return self._decoder_layers or None
+
+    def _build_layer_loop(self) -> decoder_cpu.DecoderLayers | None:
+        first = self.layers[0]
+        if (self.dtype != torch.float32 or self.embed_tokens.device.type != "cpu" or first.qk_norm is not None
+                or not decoder_cpu.builds()):
+            return None
+        layers = [decoder_cpu.LayerWeights(layer.input_norm, layer.post_attn_norm, tuple(
+            (linear.backend, linear.packed) for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                           layer.down_proj))) for layer in self.layers]
+        if not all(decoder_cpu.runs_projection(*pair) for layer in layers for pair in layer.projections):
+            return None
+        c = self.config
+        shape = decoder_cpu.Shape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                                  c.rms_norm_eps)
+        return decoder_cpu.DecoderLayers(shape, layers)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.lm_head(hidden).float()

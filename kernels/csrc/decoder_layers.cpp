@@ -1,0 +1,181 @@
+// Every decoder layer of a Llama-family model in one call on the CPU (kernels/decoder_cpu.py).
+//
+// A 135M model's decode step runs 30 layers of about twelve small operations each; driven
+// from Python, their dispatch costs as much as the matrix products. Here one call runs
+// them all. It does no arithmetic of its own beyond RoPE, SiLU and the residual adds: the
+// projections, norms, K/V stores and attention are the other kernels' C functions, handed
+// over as pointers, so each computes exactly what it computes when Python calls it.
+//
+// Every operation is row-wise or row-invariant, so a token's result does not depend on
+// the other tokens of the step: speculation's verify rows equal plain decoding's.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using LinearQuantFn = int32_t (*)(int32_t, int32_t, const float*, int64_t, int64_t, const uint8_t*, int64_t,
+                                  const float*, float*, int64_t, int32_t);
+using LinearFp16Fn = void (*)(const float*, int64_t, int64_t, const uint16_t*, int64_t, const float*, float*,
+                              int32_t);
+using RmsNormFn = void (*)(const float*, const float*, float, float*, int64_t, int64_t, int32_t);
+using StoreKvFn = int64_t (*)(const float*, int64_t, const float*, int64_t, void*, void*, int32_t, const int64_t*,
+                              int64_t, int64_t, int64_t, int32_t);
+using AttentionFn = void (*)(const float*, float*, const void*, const void*, const float*, const float*, int32_t,
+                             const int32_t*, const int64_t*, const int64_t*, const int64_t*, const int64_t*,
+                             const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                             float, int32_t, int64_t);
+
+}  // namespace
+
+extern "C" {
+
+// The other kernels' entry points (linear_quant.cpp, linear_fp16.cpp, rms_norm.cpp,
+// store_kv.cpp, paged_attention.cpp).
+struct Kernels {
+  LinearQuantFn linear_quant, linear_quant_int8;
+  LinearFp16Fn linear_fp16;
+  RmsNormFn rms_norm;
+  StoreKvFn store_kv;
+  AttentionFn attention;
+};
+
+enum ProjectionKind : int32_t { kBlocks = 0, kBlocksInt8 = 1, kFp16 = 2 };
+
+// One projection: GGUF blocks in linear_quant's layout (kinds 0 and 1: float32 or int8
+// activations) or fp16 tiles in linear_fp16's (kind 2).
+struct Projection {
+  int32_t kind, format;
+  const void* weight;
+  const float* bias;  // [rows] or null
+  int64_t rows;  // output features
+};
+
+struct Layer {
+  const float *input_norm, *post_norm;  // [hidden]
+  Projection qkv, o, gate_up, down;
+  void *k_cache, *v_cache;  // [num_slots, Hkv * D] in the step's cache dtype
+};
+
+struct Step {
+  int64_t tokens, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+  float eps, scale;
+  const float *cos, *sin;  // [max_positions, D]: rope_cache's tables (sin signed)
+  const int64_t* positions;  // [tokens]
+  const int64_t* slots;  // [tokens] flat cache slot of each token
+  int64_t num_slots;
+  int32_t cache_dtype;
+  int64_t block_size, max_blocks;
+  const int32_t* block_tables;  // [B, max_blocks]
+  // The attention kernel's rows (kernels/attention_cpu.py's CppRows).
+  const int64_t *rows, *prefixes, *extra_start, *extra, *group_start, *group_requests;
+  int64_t num_groups, head_splits;
+  int32_t num_threads;
+};
+
+}  // extern "C"
+
+namespace {
+
+struct Buffers {
+  std::vector<float> normed, qkv, q, k, attended, out, gate_up, act;
+};
+
+int32_t project(const Kernels& kernels, const Projection& p, const float* x, int64_t tokens, int64_t features,
+                float* out, int32_t threads) {
+  if (p.kind == kFp16) {
+    kernels.linear_fp16(x, tokens, features, static_cast<const uint16_t*>(p.weight), p.rows, p.bias, out, threads);
+    return 0;
+  }
+  const LinearQuantFn run = p.kind == kBlocks ? kernels.linear_quant : kernels.linear_quant_int8;
+  return run(p.format, 0, x, tokens, features, static_cast<const uint8_t*>(p.weight), p.rows, p.bias, out, p.rows,
+             threads);
+}
+
+// dst[h] = rope(src[h]) for `heads` heads of D floats: x * cos + roll(x, D / 2) * sin, as
+// specdec/models/llama.py's apply_rope.
+void rope(const float* src, int64_t heads, int64_t d, const float* cos, const float* sin, float* dst) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h, src += d, dst += d)
+    for (int64_t i = 0; i < d; ++i) {
+      const float rolled = src[i < half ? i + half : i - half];
+      const float a = src[i] * cos[i], b = rolled * sin[i];
+      dst[i] = a + b;
+    }
+}
+
+// out[t] = silu(gate[t]) * up[t], gate and up the halves of each row of gate_up.
+void silu_mul(const float* gate_up, int64_t tokens, int64_t width, float* out) {
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = gate_up[t * 2 * width + i];
+      out[t * width + i] = g / (1.0f + std::exp(-g)) * gate_up[t * 2 * width + width + i];
+    }
+}
+
+void add(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+// hidden += attention(norm(hidden)), K and V stored on the way.
+int32_t attend(const Kernels& kernels, const Layer& layer, const Step& s, float* hidden, Buffers& b) {
+  const int64_t T = s.tokens, D = s.head_dim, q_width = s.num_heads * D, kv_width = s.num_kv_heads * D;
+  const int64_t qkv_width = q_width + 2 * kv_width;
+  kernels.rms_norm(hidden, layer.input_norm, s.eps, b.normed.data(), T, s.hidden, s.num_threads);
+  if (project(kernels, layer.qkv, b.normed.data(), T, s.hidden, b.qkv.data(), s.num_threads) != 0) return 1;
+  for (int64_t t = 0; t < T; ++t) {
+    const float *row = b.qkv.data() + t * qkv_width, *cos = s.cos + s.positions[t] * D, *sin = s.sin + s.positions[t] * D;
+    rope(row, s.num_heads, D, cos, sin, b.q.data() + t * q_width);
+    rope(row + q_width, s.num_kv_heads, D, cos, sin, b.k.data() + t * kv_width);
+  }
+  if (kernels.store_kv(b.k.data(), kv_width, b.qkv.data() + q_width + kv_width, qkv_width, layer.k_cache,
+                       layer.v_cache, s.cache_dtype, s.slots, T, kv_width, s.num_slots, s.num_threads) >= 0)
+    return 2;
+  kernels.attention(b.q.data(), b.attended.data(), layer.k_cache, layer.v_cache, nullptr, nullptr, s.cache_dtype,
+                    s.block_tables, s.rows, s.prefixes, s.extra_start, s.extra, s.group_start, s.group_requests,
+                    s.num_groups, s.num_heads, s.num_kv_heads, D, s.block_size, s.max_blocks, s.scale,
+                    s.num_threads, s.head_splits);
+  if (project(kernels, layer.o, b.attended.data(), T, q_width, b.out.data(), s.num_threads) != 0) return 1;
+  add(hidden, b.out.data(), T * s.hidden);
+  return 0;
+}
+
+// hidden += mlp(norm(hidden)).
+int32_t mlp(const Kernels& kernels, const Layer& layer, const Step& s, float* hidden, Buffers& b) {
+  const int64_t T = s.tokens, I = s.intermediate;
+  kernels.rms_norm(hidden, layer.post_norm, s.eps, b.normed.data(), T, s.hidden, s.num_threads);
+  if (project(kernels, layer.gate_up, b.normed.data(), T, s.hidden, b.gate_up.data(), s.num_threads) != 0) return 1;
+  silu_mul(b.gate_up.data(), T, I, b.act.data());
+  if (project(kernels, layer.down, b.act.data(), T, I, b.out.data(), s.num_threads) != 0) return 1;
+  add(hidden, b.out.data(), T * s.hidden);
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// hidden: [tokens, hidden] float32, the embeddings in, the last layer's output out (before
+// the final norm). Returns 0; 1 if a projection's kernel refused its format or this CPU;
+// 2 if a slot is outside the cache (nothing of that layer's K/V written).
+int32_t specdec_decoder_layers(const Kernels* kernels, const Layer* layers, int64_t num_layers, const Step* step,
+                               float* hidden) {
+  const Step& s = *step;
+  const int64_t T = s.tokens, D = s.head_dim;
+  thread_local Buffers b;  // kept between calls: no allocation per step
+  b.normed.resize(T * s.hidden);
+  b.qkv.resize(T * (s.num_heads + 2 * s.num_kv_heads) * D);
+  b.q.resize(T * s.num_heads * D);
+  b.k.resize(T * s.num_kv_heads * D);
+  b.attended.resize(T * s.num_heads * D);
+  b.out.resize(T * s.hidden);
+  b.gate_up.resize(T * 2 * s.intermediate);
+  b.act.resize(T * s.intermediate);
+  for (int64_t i = 0; i < num_layers; ++i) {
+    if (int32_t status = attend(*kernels, layers[i], s, hidden, b)) return status;
+    if (int32_t status = mlp(*kernels, layers[i], s, hidden, b)) return status;
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,190 @@
+"""Every decoder layer of a Llama-family model in one C++ call on the CPU
+(csrc/decoder_layers.cpp).
+
+Driven from Python, a decode step of the default model (30 layers, about twelve small
+operations each) spends as long dispatching as multiplying. `DecoderLayers` holds what
+the C++ loop reads: the other kernels' entry points, and per layer its norms, its four
+projections as their kernels take them and its K/V cache. The loop calls exactly the
+kernels the Python forward calls (linear_quant, linear_fp16, rms_norm, store_kv, paged
+attention), so it stays batch invariant; specdec/models/llama.py's layer code is its
+reference (tests/kernels/test_decoder_cpu.py).
+
+`layer_weights` says whether a model's layers can run here: float32 activations, the
+linear backends "gguf"/q8_0/q4_0/q4_1 (one block segment per projection) or "cpp-fp16",
+no q/k norm, and a cache the C++ attention and K/V store read (fp32, fp16 or bf16).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specdec.kernels import attention_cpu, cpu_build, linear_cpu, linear_quant
+from specdec.kernels.attention_cpu import CppRows
+from specdec.kernels.kv_cache import PagedKV
+from specdec.kernels.linear_base import LinearBackend
+from specdec.kernels.linear_cpu import CppFp16Linear
+from specdec.kernels.linear_gguf import GgufLinear
+
+_LIBRARY = "decoder_layers"
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_KINDS = {"float32": 0, "int8": 1}  # GGUF blocks with these activations; 2: fp16 tiles
+_CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # as store_kv.cpp and paged_attention.cpp
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [("linear_quant", _P), ("linear_quant_int8", _P), ("linear_fp16", _P), ("rms_norm", _P),
+                ("store_kv", _P), ("attention", _P)]
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("format", ctypes.c_int32), ("weight", _P), ("bias", _P), ("rows", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Projection), ("o", _Projection),
+                ("gate_up", _Projection), ("down", _Projection), ("k_cache", _P), ("v_cache", _P)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("tokens", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64),
+                ("intermediate", _I64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _P), ("sin", _P),
+                ("positions", _P), ("slots", _P), ("num_slots", _I64), ("cache_dtype", ctypes.c_int32),
+                ("block_size", _I64), ("max_blocks", _I64), ("block_tables", _P), ("rows", _P), ("prefixes", _P),
+                ("extra_start", _P), ("extra", _P), ("group_start", _P), ("group_requests", _P),
+                ("num_groups", _I64), ("head_splits", _I64), ("num_threads", ctypes.c_int32)]
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer as the loop reads it: norms [hidden] float32, projections as their
+    backend packed them."""
+
+    input_norm: Tensor
+    post_norm: Tensor
+    projections: tuple[tuple[LinearBackend, Any], ...]  # (backend, packed) of qkv, o, gate_up, down
+
+
+def builds() -> bool:
+    """Whether the loop and every kernel it calls build and load here (tried once per process)."""
+    return (cpu_build.builds(_LIBRARY, "the Python layer loop") and linear_quant.builds() and linear_cpu.builds()
+            and attention_cpu.builds() and cpu_build.builds("rms_norm", "torch's rms_norm")
+            and cpu_build.builds("store_kv", "torch's index_copy_"))
+
+
+def runs_projection(backend: LinearBackend, packed: Any) -> bool:
+    """Whether the loop can run this projection (see _projection)."""
+    return _projection(backend, packed) is not None
+
+
+def _projection(backend: LinearBackend, packed: Any) -> _Projection | None:
+    """The C struct of one projection and the tensors it points into, or None if the loop
+    cannot run it: GGUF blocks in one segment without padding, or fp16 tiles."""
+    if isinstance(backend, GgufLinear):
+        parts, bias = packed
+        if parts is None:  # a float weight, on the fp16 kernel
+            return _fp16_projection(bias)
+        if len(parts) != 1 or parts[0].padded_cols != parts[0].cols:
+            return None
+        part = parts[0]
+        return _Projection(_KINDS[backend.activations], part.format_id, part.groups.data_ptr(), _ptr(bias), part.rows)
+    if isinstance(backend, CppFp16Linear):
+        return _fp16_projection(packed)
+    return None
+
+
+def _fp16_projection(packed: tuple[Tensor, Tensor | None, int]) -> _Projection:
+    weight, bias, rows = packed
+    return _Projection(2, 0, weight.data_ptr(), _ptr(bias), rows)
+
+
+def _ptr(tensor: Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def supports_cache(kv: PagedKV) -> bool:
+    """Whether the loop's K/V store and attention read and write this cache."""
+    return (kv.k.dtype in _CACHE_DTYPES and kv.k_scale is None and kv.k.is_contiguous() and kv.v.is_contiguous()
+            and attention_cpu.supports_cache(kv))
+
+
+class DecoderLayers:
+    """A model's layers for the C++ loop. Holds the weights' tensors (their pointers stay
+    valid while it lives); the caller builds a new one after repacking them."""
+
+    def __init__(self, shape: Shape, layers: list[LayerWeights]) -> None:
+        self.shape = shape
+        self._weights = layers  # kept alive: the structs point into them
+        self._layers = (_Layer * len(layers))()
+        for struct, layer in zip(self._layers, layers, strict=True):
+            projections = [_projection(*pair) for pair in layer.projections]
+            if any(p is None for p in projections):
+                raise ValueError("a projection's backend or packing is not one the C++ layer loop runs")
+            struct.input_norm, struct.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            struct.qkv, struct.o, struct.gate_up, struct.down = projections
+        self._caches: tuple[int, ...] = ()
+        self._kernels = _kernels()
+
+    def run(
+        self,
+        hidden: Tensor,  # [T, hidden] float32 contiguous: embeddings in, last layer's output out
+        positions: Tensor,  # [T] int64
+        rope_cos: Tensor,  # [P, D] float32: the model's whole table
+        rope_sin: Tensor,  # [P, D] float32
+        kv_caches: list[PagedKV],  # one per layer, each passing supports_cache
+        slot_mapping: Tensor,  # [T] int64
+        rows: CppRows,  # attention_cpu.plan_rows of this step
+        scale: float,
+    ) -> None:
+        self._point_at(kv_caches)
+        kv = kv_caches[0]
+        s = self.shape
+        positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
+        step = _Step(hidden.shape[0], s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, s.eps, scale,
+                     rope_cos.data_ptr(), rope_sin.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
+                     kv.k.shape[0] * kv.k.shape[1], _CACHE_DTYPES[kv.k.dtype], kv.block_size, rows.tables.shape[1],
+                     rows.tables.data_ptr(), rows.rows.data_ptr(), rows.prefixes.data_ptr(),
+                     rows.extra_start.data_ptr(), rows.extra.data_ptr(), rows.group_start.data_ptr(),
+                     rows.group_requests.data_ptr(), rows.group_requests.numel(), rows.head_splits,
+                     torch.get_num_threads())
+        run = cpu_build.function(_LIBRARY, "specdec_decoder_layers",
+                                 [ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _I64, ctypes.POINTER(_Step), _P],
+                                 ctypes.c_int32)
+        status = run(ctypes.byref(self._kernels), self._layers, len(self._layers), ctypes.byref(step),
+                     hidden.data_ptr())
+        if status == 2:
+            raise IndexError(f"a slot of {slot_mapping.tolist()} is outside the cache's {step.num_slots} slots")
+        if status != 0:
+            raise ValueError("the quantized linear kernel has no variant for this CPU")
+
+    def _point_at(self, kv_caches: list[PagedKV]) -> None:
+        caches = tuple(ptr for kv in kv_caches for ptr in (kv.k.data_ptr(), kv.v.data_ptr()))
+        if caches != self._caches:
+            for struct, kv in zip(self._layers, kv_caches, strict=True):
+                struct.k_cache, struct.v_cache = kv.k.data_ptr(), kv.v.data_ptr()
+            self._caches = caches
+
+
+def _kernels() -> _Kernels:
+    def address(library: str, symbol: str) -> int:
+        return ctypes.cast(getattr(cpu_build.load(library), symbol), ctypes.c_void_p).value or 0
+
+    return _Kernels(address("linear_quant", "specdec_linear_quant"),
+                    address("linear_quant", "specdec_linear_quant_int8"),
+                    address("linear_fp16", "specdec_linear_fp16"), address("rms_norm", "specdec_rms_norm"),
+                    address("store_kv", "specdec_store_kv"), address("paged_attention", "specdec_paged_attention_rows"))
+

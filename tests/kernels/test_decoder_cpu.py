@@ -1,0 +1,149 @@
+"""The C++ layer loop (kernels/decoder_cpu.py) against the model's Python layer code, its
+reference: the same logits for prefill, decode and tree-verify steps, row invariance
+(what lossless speculation relies on), and the cases it leaves to Python."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from specdec.kernels import decoder_cpu
+from specdec.kernels.attention import make_attention_backend
+from specdec.kernels.linear import Fp32Linear, get_linear_backend
+from specdec.kernels.linear_gguf import GgufLinear
+from specdec.models import LlamaForCausalLM, load_model
+from tests.fixtures import make_checkpoint
+from tests.helpers import make_kv_caches, random_block_table, single_request_meta
+
+pytestmark = pytest.mark.skipif(not decoder_cpu.builds(), reason="the C++ kernels do not build here")
+
+# (linear backend, int8 activations): the backends whose projections the loop runs.
+BACKENDS = [("cpp-fp16", False), ("q8_0", False), ("q4_1", False), ("q4_1", True)]
+# Tree verify: node 0 the root, nodes 1-2 its children, node 3 a child of node 1.
+TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+
+
+@pytest.fixture(autouse=True)
+def two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
+    # Head dim 32: one the C++ attention is built for (the shared tiny model's 16 is not).
+    path = make_checkpoint(tmp_path_factory.mktemp("tiny-d32"), head_dim=32)
+    return load_model(path, attention_backend="cpp")
+
+
+def _use(model: LlamaForCausalLM, name: str, int8: bool) -> None:
+    backend = get_linear_backend(name)
+    if int8:
+        backend = type(backend)(activations="int8")  # type: ignore[call-arg]
+    model.use_linear_backend(backend)
+
+
+def _steps(model: LlamaForCausalLM, ids: Tensor, loop: bool) -> Tensor:
+    """Logits of a 9-token prefill, a 1-token decode and a 4-node tree verify."""
+    c = model.config
+    caches = make_kv_caches(c.num_layers, 8, 4, c.num_kv_heads, c.head_dim, fill=float("nan"))
+    table = random_block_table(len(ids), 4, 8, seed=3)
+    model.cpu_layer_loop = loop
+    out = []
+    with torch.inference_mode():
+        for start, count, mask in ((0, 9, None), (9, 1, None), (10, 4, TREE)):
+            meta = single_request_meta(start, count, table, 4, tree_mask=mask)
+            depth = torch.arange(count) if mask is None else mask.sum(1) - 1
+            out.append(model.compute_logits(model(ids[start : start + count], start + depth, caches, meta)))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name,int8", BACKENDS)
+def test_the_loop_gives_the_python_layers_logits(model: LlamaForCausalLM, name: str, int8: bool) -> None:
+    ids = torch.randint(3, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(1))
+    try:
+        _use(model, name, int8)
+        expected = _steps(model, ids, loop=False)
+        assert model._decoder_layers is None  # the Python path never builds it
+        got = _steps(model, ids, loop=True)
+        assert isinstance(model._decoder_layers, decoder_cpu.DecoderLayers)
+        # RoPE, SiLU and the adds are the loop's own float32 arithmetic: equal up to rounding.
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    finally:
+        model.cpu_layer_loop = True
+        model.use_linear_backend(Fp32Linear())
+
+
+@pytest.mark.parametrize("name,int8", BACKENDS)
+def test_each_row_gets_what_it_gets_alone(model: LlamaForCausalLM, name: str, int8: bool) -> None:
+    """A prefill of 10 tokens gives its last row the bits of 9 tokens then a decode of 1."""
+    ids = torch.randint(3, model.config.vocab_size, (10,), generator=torch.Generator().manual_seed(2))
+    c = model.config
+    try:
+        _use(model, name, int8)
+        logits = []
+        for chunks in (((0, 10),), ((0, 9), (9, 10))):
+            caches = make_kv_caches(c.num_layers, 8, 4, c.num_kv_heads, c.head_dim, fill=float("nan"))
+            table = random_block_table(10, 4, 8, seed=5)
+            with torch.inference_mode():
+                for start, stop in chunks:
+                    meta = single_request_meta(start, stop - start, table, 4)
+                    hidden = model(ids[start:stop], torch.arange(start, stop), caches, meta)
+            logits.append(model.compute_logits(hidden[-1:]))
+        assert isinstance(model._decoder_layers, decoder_cpu.DecoderLayers)
+        assert torch.equal(logits[0], logits[1])
+    finally:
+        model.use_linear_backend(Fp32Linear())
+
+
+def test_backends_without_c_kernels_stay_in_python(model: LlamaForCausalLM) -> None:
+    ids = torch.randint(3, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(3))
+    _steps(model, ids, loop=True)
+    assert model._decoder_layers is False  # fp32's F.linear has no C entry point
+
+
+def test_qk_norm_models_stay_in_python(tmp_path: Path) -> None:
+    qwen3 = load_model(make_checkpoint(tmp_path / "qwen3", model_type="qwen3", head_dim=32), attention_backend="cpp")
+    qwen3.use_linear_backend(get_linear_backend("cpp-fp16"))
+    ids = torch.randint(3, qwen3.config.vocab_size, (14,), generator=torch.Generator().manual_seed(4))
+    _steps(qwen3, ids, loop=True)
+    assert qwen3._decoder_layers is False
+
+
+def test_the_torch_attention_backend_stays_in_python(model: LlamaForCausalLM) -> None:
+    ids = torch.randint(3, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(5))
+    attention = model.attention_backend
+    try:
+        model.use_linear_backend(get_linear_backend("cpp-fp16"))
+        model.attention_backend = make_attention_backend("torch", "cpu")
+        _steps(model, ids, loop=True)
+        assert model._decoder_layers is None
+    finally:
+        model.attention_backend = attention
+        model.use_linear_backend(Fp32Linear())
+
+
+def test_a_slot_outside_the_cache_is_refused(model: LlamaForCausalLM) -> None:
+    c = model.config
+    caches = make_kv_caches(c.num_layers, 2, 4, c.num_kv_heads, c.head_dim)
+    meta = single_request_meta(0, 3, [0], 4)
+    meta.slot_mapping[1] = 99
+    try:
+        model.use_linear_backend(get_linear_backend("cpp-fp16"))
+        with torch.inference_mode(), pytest.raises(IndexError, match="outside the cache's 8 slots"):
+            model(torch.tensor([5, 6, 7]), torch.arange(3), caches, meta)
+    finally:
+        model.use_linear_backend(Fp32Linear())
+
+
+def test_mixed_segments_are_not_run_by_the_loop() -> None:
+    backend = GgufLinear()
+    weight = torch.randn(64, 64)
+    assert decoder_cpu.runs_projection(backend, backend.prepare(weight))  # fp16 tiles
+    assert not decoder_cpu.runs_projection(Fp32Linear(), Fp32Linear().prepare(weight))
