@@ -215,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = PackedLinear(hidden, vocab, False, dtype, device, weight=tied)
         self._init_rope(config, max_positions or config.max_position_embeddings, dtype, device)
         self.cpu_layer_loop = True
-        self._decoder_layers: decoder_cpu.DecoderLayers | None | bool = None  # False: cannot; None: not built
+        self._decoder_layers: decoder_cpu.DecoderLayers | bool | None = None  # False: cannot; None: not built
 
     def _init_rope(
         self,
@@ -270,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self._layer_loop(plan, kv_caches[0])
         if layers is not None and isinstance(plan, CppPlan) and plan.rows is not None:
             layers.run(hidden, positions, self.rope_cos, self.rope_sin, kv_caches, meta.slot_mapping, plan.rows,
-                       self.layers[0].scale)
+                       self.config.head_dim**-0.5)
         else:
             cos = F.embedding(positions, self.rope_cos).unsqueeze(1)  # [T, 1, D]
             sin = F.embedding(positions, self.rope_sin).unsqueeze(1)
@@ -286,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         if self._decoder_layers is None:
             self._decoder_layers = self._build_layer_loop() or False
-        return self._decoder_layers or None
+        return self._decoder_layers if isinstance(self._decoder_layers, decoder_cpu.DecoderLayers) else None
 
     def _build_layer_loop(self) -> decoder_cpu.DecoderLayers | None:
         first = self.layers[0]
