@@ -80,6 +80,12 @@ def _verify_chains(batch: list[ScheduledRequest], trees: list[DraftTree], logits
                    rows: list[int], starts: list[int], results: list[Verified]) -> None:
     for group in _chain_groups(batch, trees, rows):
         drafts = [trees[i].token_ids[1:] for i in group]
+        if not any(drafts) and all(batch[i].request.sampling_params.greedy for i in group):
+            # Plain greedy decoding, what rejection sampling gives without its set-up.
+            argmax = _gather_rows(logits, num_rows, group, starts).argmax(dim=-1).tolist()  # [len(group)]
+            for i, token in zip(group, argmax):
+                results[i].tokens, results[i].accepted_nodes = [token], []
+            continue
         probs = _stack_draft_probs(drafts, [_chain_probs(trees[i]) for i in group], logits.shape[1])
         sampled = rejection_sample(_gather_rows(logits, num_rows, group, starts), drafts, probs,
                                    _sampling(batch, group), _positions(batch, group))
