@@ -10,13 +10,24 @@ import pytest
 import torch
 from torch import Tensor
 
+from specdec import LLM
 from specdec.kernels import decoder_cpu
 from specdec.kernels.attention import make_attention_backend
 from specdec.kernels.linear import Fp32Linear, get_linear_backend
 from specdec.kernels.linear_gguf import GgufLinear
 from specdec.models import LlamaForCausalLM, load_model
 from tests.fixtures import make_checkpoint
-from tests.helpers import make_kv_caches, random_block_table, single_request_meta
+from tests.helpers import (
+    NGRAM,
+    assert_all_blocks_free,
+    block_bytes,
+    greedy,
+    make_kv_caches,
+    random_block_table,
+    random_prompts,
+    single_request_meta,
+    token_ids,
+)
 
 pytestmark = pytest.mark.skipif(not decoder_cpu.builds(), reason="the C++ kernels do not build here")
 
@@ -35,10 +46,14 @@ def two_threads() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
+def d32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Head dim 32: one the C++ attention is built for (the shared tiny model's 16 is not).
-    path = make_checkpoint(tmp_path_factory.mktemp("tiny-d32"), head_dim=32)
-    return load_model(path, attention_backend="cpp")
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-d32"), head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def model(d32_dir: Path) -> LlamaForCausalLM:
+    return load_model(d32_dir, attention_backend="cpp")
 
 
 def _use(model: LlamaForCausalLM, name: str, int8: bool) -> None:
@@ -147,3 +162,32 @@ def test_mixed_segments_are_not_run_by_the_loop() -> None:
     weight = torch.randn(64, 64)
     assert decoder_cpu.runs_projection(backend, backend.prepare(weight))  # fp16 tiles
     assert not decoder_cpu.runs_projection(Fp32Linear(), Fp32Linear().prepare(weight))
+
+
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "num_tree_nodes": 8, "suffix_min_prob": 0.0}
+
+
+@pytest.mark.parametrize("quantization", ["none", "q4_1"])
+@pytest.mark.parametrize("spec", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_speculation_through_the_loop_is_lossless_batched_chunked_and_preempted(
+        d32_dir: Path, quantization: str, spec: dict[str, object]) -> None:
+    prompts = random_prompts(100, 6)
+    plain = LLM(str(d32_dir), max_model_len=128, quantization=quantization, speculative_config=None)
+    expected = token_ids(plain.generate(prompts, greedy()))
+    llm = LLM(str(d32_dir), max_model_len=128, max_num_batched_tokens=24, quantization=quantization,
+              kv_cache_memory=9 * block_bytes(plain), speculative_config=spec)
+    assert token_ids(llm.generate(prompts, greedy())) == expected  # suffix decoding's cache now holds them
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):  # every other request opts out of speculation
+        engine.add_request(f"r{i}", prompt, greedy(), use_speculation=i % 2 == 0)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].token_ids
+    assert [finals[f"r{i}"] for i in range(len(prompts))] == expected
+    for run in (plain, llm):
+        assert isinstance(run.engine.model._decoder_layers, decoder_cpu.DecoderLayers)
+    metrics = llm.get_metrics()
+    assert metrics["num_preemptions"] > 0 and metrics["num_drafts"] > 0
+    assert_all_blocks_free(llm)
