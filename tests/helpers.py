@@ -126,6 +126,19 @@ def random_prompts(seed: int, count: int, vocab: int = 384) -> list[list[int]]:
     return prompts
 
 
+def step_mixed(engine: Any, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Token ids of each prompt's request, stepped through `engine` together, every other
+    request opting out of speculation."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params, use_speculation=i % 2 == 0)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].token_ids
+    return [list(finals[f"r{i}"]) for i in range(len(prompts))]
+
+
 def greedy(max_tokens: int = 32, **kw: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from specdec import LLM, SamplingParams
-from tests.helpers import NGRAM, assert_all_blocks_free, block_bytes, greedy, random_prompts, token_ids
+from tests.helpers import NGRAM, assert_all_blocks_free, block_bytes, greedy, random_prompts, step_mixed, token_ids
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +38,7 @@ def test_mixed_batch_with_chunked_prefill_and_preemption(plain, tiny_model_dir, 
     spec = LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=24,
                kv_cache_memory=9 * block_bytes(plain), speculative_config=spec_configs(tiny_model_dir, tiny_draft_dir)[method])
     engine = spec.engine
-    for i, prompt in enumerate(prompts):  # every other request opts out of speculation
-        engine.add_request(f"r{i}", prompt, greedy(), use_speculation=i % 2 == 0)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out.outputs[0].token_ids
-    assert [finals[f"r{i}"] for i in range(len(prompts))] == expected
+    assert step_mixed(engine, prompts, greedy()) == expected
     assert spec.get_metrics()["num_preemptions"] > 0
     assert spec.get_metrics()["num_drafts"] > 0
     assert_all_blocks_free(spec)

@@ -26,6 +26,7 @@ from tests.helpers import (
     random_block_table,
     random_prompts,
     single_request_meta,
+    step_mixed,
     token_ids,
 )
 
@@ -177,15 +178,7 @@ def test_speculation_through_the_loop_is_lossless_batched_chunked_and_preempted(
     llm = LLM(str(d32_dir), max_model_len=128, max_num_batched_tokens=24, quantization=quantization,
               kv_cache_memory=9 * block_bytes(plain), speculative_config=spec)
     assert token_ids(llm.generate(prompts, greedy())) == expected  # suffix decoding's cache now holds them
-    engine = llm.engine
-    for i, prompt in enumerate(prompts):  # every other request opts out of speculation
-        engine.add_request(f"r{i}", prompt, greedy(), use_speculation=i % 2 == 0)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out.outputs[0].token_ids
-    assert [finals[f"r{i}"] for i in range(len(prompts))] == expected
+    assert step_mixed(llm.engine, prompts, greedy()) == expected
     for run in (plain, llm):
         assert isinstance(run.engine.model._decoder_layers, decoder_cpu.DecoderLayers)
     metrics = llm.get_metrics()
