@@ -81,6 +81,8 @@ struct Buffers {
   std::vector<float> normed, qkv, q, k, attended, out, gate_up, act;
 };
 
+constexpr int64_t kKeptTokens = 128;  // steps up to this many tokens keep their buffers
+
 int32_t project(const Kernels& kernels, const Projection& p, const float* x, int64_t tokens, int64_t features,
                 float* out, int32_t threads) {
   if (p.kind == kFp16) {
@@ -162,6 +164,7 @@ int32_t specdec_decoder_layers(const Kernels* kernels, const Layer* layers, int6
                                float* hidden) {
   const Step& s = *step;
   const int64_t T = s.tokens, D = s.head_dim;
+  if (T == 0) return 0;  // the kernels' row blocking divides by the row count
   thread_local Buffers b;  // kept between calls: no allocation per step
   b.normed.resize(T * s.hidden);
   b.qkv.resize(T * (s.num_heads + 2 * s.num_kv_heads) * D);
@@ -171,11 +174,15 @@ int32_t specdec_decoder_layers(const Kernels* kernels, const Layer* layers, int6
   b.out.resize(T * s.hidden);
   b.gate_up.resize(T * 2 * s.intermediate);
   b.act.resize(T * s.intermediate);
-  for (int64_t i = 0; i < num_layers; ++i) {
-    if (int32_t status = attend(*kernels, layers[i], s, hidden, b)) return status;
-    if (int32_t status = mlp(*kernels, layers[i], s, hidden, b)) return status;
+  int32_t status = 0;
+  for (int64_t i = 0; i < num_layers && status == 0; ++i) {
+    status = attend(*kernels, layers[i], s, hidden, b);
+    if (status == 0) status = mlp(*kernels, layers[i], s, hidden, b);
   }
-  return 0;
+  // A prefill chunk's buffers (32 KB a token on the default model) are given back, so a
+  // long prompt does not leave an idle server holding them; decode and verify steps keep theirs.
+  if (T > kKeptTokens) b = Buffers{};
+  return status;
 }
 
 }  // extern "C"

@@ -118,6 +118,34 @@ def test_each_row_gets_what_it_gets_alone(model: LlamaForCausalLM, name: str, in
         model.use_linear_backend(Fp32Linear())
 
 
+def test_an_empty_step_and_a_long_prefill_then_decode(model: LlamaForCausalLM) -> None:
+    """No tokens: nothing to do (the kernels' row blocking would divide by zero); a prefill
+    longer than the buffers kept between steps, then decodes, still match Python."""
+    c = model.config
+    ids = torch.randint(3, c.vocab_size, (140,), generator=torch.Generator().manual_seed(6))
+    try:
+        model.use_linear_backend(get_linear_backend("cpp-fp16"))
+        with torch.inference_mode():
+            caches = make_kv_caches(c.num_layers, 40, 4, c.num_kv_heads, c.head_dim)
+            empty = model(ids[:0], torch.arange(0), caches, single_request_meta(0, 0, [0], 4))
+            assert empty.shape == (0, c.hidden_size)
+        logits = {}
+        for loop in (True, False):
+            model.cpu_layer_loop = loop
+            caches = make_kv_caches(c.num_layers, 40, 4, c.num_kv_heads, c.head_dim, fill=float("nan"))
+            table = random_block_table(140, 4, 40, seed=7)
+            with torch.inference_mode():
+                rows = [model(ids[:138], torch.arange(138), caches, single_request_meta(0, 138, table, 4))[-1:]]
+                for start in (138, 139):
+                    meta = single_request_meta(start, 1, table, 4)
+                    rows.append(model(ids[start : start + 1], torch.tensor([start]), caches, meta))
+            logits[loop] = model.compute_logits(torch.cat(rows))
+        torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+    finally:
+        model.cpu_layer_loop = True
+        model.use_linear_backend(Fp32Linear())
+
+
 def test_backends_without_c_kernels_stay_in_python(model: LlamaForCausalLM) -> None:
     ids = torch.randint(3, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(3))
     _steps(model, ids, loop=True)
