@@ -215,7 +215,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = PackedLinear(hidden, vocab, False, dtype, device, weight=tied)
         self._init_rope(config, max_positions or config.max_position_embeddings, dtype, device)
         self.cpu_layer_loop = True
-        self._decoder_layers: decoder_cpu.DecoderLayers | bool | None = None  # False: cannot; None: not built
+        # The loop built for the projections' current packings (None: cannot run them).
+        self._decoder_layers: decoder_cpu.DecoderLayers | None = None
+        self._loop_packings: list[Any] = []
 
     def _init_rope(
         self,
@@ -247,7 +249,6 @@ class LlamaForCausalLM(nn.Module):
         and make the forward use them; the parameters are left as they are. ValueError if
         `backend` needs float32 and the model is not."""
         install_linears(self, pack_linears(self, backend))
-        self._decoder_layers = None
 
     def tie_weights(self) -> None:
         """Point a tied LM head at the current embedding table (after the loader replaced
@@ -255,7 +256,6 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
             self.lm_head.use_backend(self.lm_head.backend)
-        self._decoder_layers = None
 
     def forward(
         self,
@@ -284,18 +284,23 @@ class LlamaForCausalLM(nn.Module):
         if not (self.cpu_layer_loop and isinstance(plan, CppPlan) and plan.rows is not None
                 and decoder_cpu.supports_cache(kv)):
             return None
-        if self._decoder_layers is None:
-            self._decoder_layers = self._build_layer_loop() or False
-        return self._decoder_layers if isinstance(self._decoder_layers, decoder_cpu.DecoderLayers) else None
+        linears = [linear for layer in self.layers
+                   for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        # Rebuilt whenever a projection was repacked (use_linear_backend, install_linears).
+        if len(linears) != len(self._loop_packings) or any(
+                linear.packed is not packed for linear, packed in zip(linears, self._loop_packings)):
+            self._loop_packings = [linear.packed for linear in linears]
+            self._decoder_layers = self._build_layer_loop(linears)
+        return self._decoder_layers
 
-    def _build_layer_loop(self) -> decoder_cpu.DecoderLayers | None:
+    def _build_layer_loop(self, linears: list[PackedLinear]) -> decoder_cpu.DecoderLayers | None:
         first = self.layers[0]
         if (self.dtype != torch.float32 or self.embed_tokens.device.type != "cpu" or first.qk_norm is not None
                 or not decoder_cpu.builds()):
             return None
-        layers = [decoder_cpu.LayerWeights(layer.input_norm, layer.post_attn_norm, tuple(
-            (linear.backend, linear.packed) for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                                                           layer.down_proj))) for layer in self.layers]
+        pairs = [(linear.backend, linear.packed) for linear in linears]
+        layers = [decoder_cpu.LayerWeights(layer.input_norm, layer.post_attn_norm, tuple(pairs[4 * i : 4 * i + 4]))
+                  for i, layer in enumerate(self.layers)]
         if not all(decoder_cpu.runs_projection(*pair) for layer in layers for pair in layer.projections):
             return None
         c = self.config

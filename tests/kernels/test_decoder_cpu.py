@@ -16,6 +16,7 @@ from specdec.kernels.attention import make_attention_backend
 from specdec.kernels.linear import Fp32Linear, get_linear_backend
 from specdec.kernels.linear_gguf import GgufLinear
 from specdec.models import LlamaForCausalLM, load_model
+from specdec.models.linear import install_linears, pack_linears
 from tests.fixtures import make_checkpoint
 from tests.helpers import (
     NGRAM,
@@ -85,7 +86,6 @@ def test_the_loop_gives_the_python_layers_logits(model: LlamaForCausalLM, name: 
     try:
         _use(model, name, int8)
         expected = _steps(model, ids, loop=False)
-        assert model._decoder_layers is None  # the Python path never builds it
         got = _steps(model, ids, loop=True)
         assert isinstance(model._decoder_layers, decoder_cpu.DecoderLayers)
         # RoPE, SiLU and the adds are the loop's own float32 arithmetic: equal up to rounding.
@@ -146,30 +146,55 @@ def test_an_empty_step_and_a_long_prefill_then_decode(model: LlamaForCausalLM) -
         model.use_linear_backend(Fp32Linear())
 
 
-def test_backends_without_c_kernels_stay_in_python(model: LlamaForCausalLM) -> None:
+@pytest.fixture
+def no_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail any step that runs the loop."""
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the C++ layer loop ran")
+
+    monkeypatch.setattr(decoder_cpu.DecoderLayers, "run", fail)
+
+
+def test_backends_without_c_kernels_stay_in_python(model: LlamaForCausalLM, no_loop: None) -> None:
     ids = torch.randint(3, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(3))
     _steps(model, ids, loop=True)
-    assert model._decoder_layers is False  # fp32's F.linear has no C entry point
+    assert model._decoder_layers is None  # fp32's F.linear has no C entry point
 
 
-def test_qk_norm_models_stay_in_python(tmp_path: Path) -> None:
+def test_qk_norm_models_stay_in_python(tmp_path: Path, no_loop: None) -> None:
     qwen3 = load_model(make_checkpoint(tmp_path / "qwen3", model_type="qwen3", head_dim=32), attention_backend="cpp")
     qwen3.use_linear_backend(get_linear_backend("cpp-fp16"))
     ids = torch.randint(3, qwen3.config.vocab_size, (14,), generator=torch.Generator().manual_seed(4))
     _steps(qwen3, ids, loop=True)
-    assert qwen3._decoder_layers is False
+    assert qwen3._decoder_layers is None
 
 
-def test_the_torch_attention_backend_stays_in_python(model: LlamaForCausalLM) -> None:
+def test_the_torch_attention_backend_stays_in_python(model: LlamaForCausalLM, no_loop: None) -> None:
     ids = torch.randint(3, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(5))
     attention = model.attention_backend
     try:
         model.use_linear_backend(get_linear_backend("cpp-fp16"))
         model.attention_backend = make_attention_backend("torch", "cpu")
         _steps(model, ids, loop=True)
-        assert model._decoder_layers is None
     finally:
         model.attention_backend = attention
+        model.use_linear_backend(Fp32Linear())
+
+
+def test_packings_swapped_in_are_the_ones_the_loop_runs(model: LlamaForCausalLM) -> None:
+    """What evals/bench_kernels.py does: pack once per backend, then install in turn."""
+    ids = torch.randint(3, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(8))
+    packings = {name: pack_linears(model, get_linear_backend(name)) for name in ("cpp-fp16", "q8_0")}
+    try:
+        expected = {}
+        for name, packing in packings.items():
+            install_linears(model, packing)
+            expected[name] = _steps(model, ids, loop=False)
+        for name in ("cpp-fp16", "q8_0", "cpp-fp16"):
+            install_linears(model, packings[name])
+            torch.testing.assert_close(_steps(model, ids, loop=True), expected[name], rtol=1e-4, atol=1e-4)
+    finally:
+        model.cpu_layer_loop = True
         model.use_linear_backend(Fp32Linear())
 
 
