@@ -23,7 +23,7 @@ out of the way even when a caller forgets torch.inference_mode().
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -284,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
         if not (self.cpu_layer_loop and isinstance(plan, CppPlan) and plan.rows is not None
                 and decoder_cpu.supports_cache(kv)):
             return None
-        linears = [linear for layer in self.layers
+        linears = [linear for layer in cast(list[LlamaDecoderLayer], list(self.layers))
                    for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
         # Rebuilt whenever a projection was repacked (use_linear_backend, install_linears).
         if len(linears) != len(self._loop_packings) or any(
