@@ -1,4 +1,5 @@
 import os
+from collections.abc import Iterator
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -19,6 +20,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+_has_cuda = torch.cuda.is_available
+
+
+@pytest.fixture(autouse=True, scope="session")
+def cpu_engine() -> Iterator[None]:
+    """The tests are about the CPU engine unless marked `cuda`: on a GPU host
+    `device="auto"` would otherwise pick CUDA, where the CPU-only options they use are
+    refused. Session-wide, so module fixtures' engines see it too; the variable covers the
+    servers started in subprocesses."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
+
+
+@pytest.fixture(autouse=True)
+def gpu_for_cuda_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("cuda") is not None:
+        monkeypatch.setattr(torch.cuda, "is_available", _has_cuda)
 
 
 @pytest.fixture(scope="session")
