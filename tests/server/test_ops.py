@@ -209,7 +209,9 @@ def test_stats_line_is_logged_while_busy_only(ops: RunningServer, caplog: pytest
     time.sleep(2 * STATS_SECONDS)  # the interval that saw the request's end has been logged
     caplog.clear()
     time.sleep(4 * STATS_SECONDS)
-    assert messages(caplog, name) == []
+    # Another test's server in this process may still log its last busy interval: those
+    # servers speculate, this one does not, so its own lines never name a draft rate.
+    assert [m for m in messages(caplog, name) if "Draft acceptance" not in m] == []
 
 
 def test_request_log_lines(ops: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
