@@ -9,9 +9,10 @@ kernels the Python forward calls (linear_quant, linear_fp16, rms_norm, store_kv,
 attention), so it stays batch invariant; specdec/models/llama.py's layer code is its
 reference (tests/kernels/test_decoder_cpu.py).
 
-`layer_weights` says whether a model's layers can run here: float32 activations, the
-linear backends "gguf"/q8_0/q4_0/q4_1 (one block segment per projection) or "cpp-fp16",
-no q/k norm, and a cache the C++ attention and K/V store read (fp32, fp16 or bf16).
+`runs_projection` and `supports_cache` say what it runs: the linear backends
+"gguf"/q8_0/q4_0/q4_1 (one block segment per projection) or "cpp-fp16", and a cache the C++
+attention and K/V store read (fp32, fp16 or bf16); the model checks the rest (float32, no
+q/k norm).
 """
 from __future__ import annotations
 
@@ -28,12 +29,12 @@ from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.linear_base import LinearBackend
 from specdec.kernels.linear_cpu import CppFp16Linear
 from specdec.kernels.linear_gguf import GgufLinear
+from specdec.kernels.store_kv_cpu import CACHE_DTYPES
 
 _LIBRARY = "decoder_layers"
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _KINDS = {"float32": 0, "int8": 1}  # GGUF blocks with these activations; 2: fp16 tiles
-_CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # as store_kv.cpp and paged_attention.cpp
 
 
 class _Kernels(ctypes.Structure):
@@ -95,13 +96,13 @@ def _projection(backend: LinearBackend, packed: Any) -> _Projection | None:
     """The C struct of one projection and the tensors it points into, or None if the loop
     cannot run it: GGUF blocks in one segment without padding, or fp16 tiles."""
     if isinstance(backend, GgufLinear):
-        parts, bias = packed
-        if parts is None:  # a float weight, on the fp16 kernel
-            return _fp16_projection(bias)
+        parts, rest = packed
+        if parts is None:  # a float weight: rest is its fp16 packing
+            return _fp16_projection(rest)
         if len(parts) != 1 or parts[0].padded_cols != parts[0].cols:
             return None
-        part = parts[0]
-        return _Projection(_KINDS[backend.activations], part.format_id, part.groups.data_ptr(), _ptr(bias), part.rows)
+        part = parts[0]  # rest is the bias
+        return _Projection(_KINDS[backend.activations], part.format_id, part.groups.data_ptr(), _ptr(rest), part.rows)
     if isinstance(backend, CppFp16Linear):
         return _fp16_projection(packed)
     return None
@@ -118,7 +119,7 @@ def _ptr(tensor: Tensor | None) -> int | None:
 
 def supports_cache(kv: PagedKV) -> bool:
     """Whether the loop's K/V store and attention read and write this cache."""
-    return (kv.k.dtype in _CACHE_DTYPES and kv.k_scale is None and kv.k.is_contiguous() and kv.v.is_contiguous()
+    return (kv.k.dtype in CACHE_DTYPES and kv.k_scale is None and kv.k.is_contiguous() and kv.v.is_contiguous()
             and attention_cpu.supports_cache(kv))
 
 
@@ -156,7 +157,7 @@ class DecoderLayers:
         positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
         step = _Step(hidden.shape[0], s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, s.eps, scale,
                      rope_cos.data_ptr(), rope_sin.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
-                     kv.k.shape[0] * kv.k.shape[1], _CACHE_DTYPES[kv.k.dtype], kv.block_size, rows.tables.shape[1],
+                     kv.k.shape[0] * kv.k.shape[1], CACHE_DTYPES[kv.k.dtype], kv.block_size, rows.tables.shape[1],
                      rows.tables.data_ptr(), rows.rows.data_ptr(), rows.prefixes.data_ptr(),
                      rows.extra_start.data_ptr(), rows.extra.data_ptr(), rows.group_start.data_ptr(),
                      rows.group_requests.data_ptr(), rows.group_requests.numel(), rows.head_splits,

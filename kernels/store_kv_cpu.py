@@ -12,7 +12,7 @@ from specdec.kernels import cpu_build
 from specdec.kernels.kv_cache import PagedKV
 
 _LIBRARY = "store_kv"
-_CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # csrc/store_kv.cpp's dtype codes
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
              ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
 
@@ -20,7 +20,7 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, c
 def supports(key: torch.Tensor, value: torch.Tensor, kv: PagedKV, slot_mapping: torch.Tensor) -> bool:
     """Whether the kernel can store these rows here (and it builds)."""
     return (key.device.type == "cpu" and key.dtype == value.dtype == torch.float32
-            and kv.k.dtype in _CACHE_DTYPES and kv.k_scale is None and slot_mapping.dtype == torch.int64
+            and kv.k.dtype in CACHE_DTYPES and kv.k_scale is None and slot_mapping.dtype == torch.int64
             and key.shape[1:] == value.shape[1:] == kv.k.shape[2:]
             and _rows_dense(key) and _rows_dense(value) and kv.k.is_contiguous() and kv.v.is_contiguous()
             and slot_mapping.is_contiguous() and cpu_build.builds(_LIBRARY, "torch's index_copy_"))
@@ -40,7 +40,7 @@ def store_kv_cpu(
     tokens, heads, dim = key.shape
     num_slots = kv.k.shape[0] * kv.k.shape[1]
     bad = store(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv.k.data_ptr(), kv.v.data_ptr(),
-                _CACHE_DTYPES[kv.k.dtype], slot_mapping.data_ptr(), tokens, heads * dim, num_slots,
+                CACHE_DTYPES[kv.k.dtype], slot_mapping.data_ptr(), tokens, heads * dim, num_slots,
                 torch.get_num_threads())
     if bad >= 0:
         raise IndexError(f"slot {int(slot_mapping[bad])} of row {bad} is outside the cache's {num_slots} slots")

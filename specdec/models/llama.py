@@ -267,9 +267,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.embed_tokens)
         attention = self.attention_backend
         plan = attention.plan(meta, kv_caches[0])  # once per step, for every layer
-        layers = self._layer_loop(plan, kv_caches[0])
-        if layers is not None and isinstance(plan, CppPlan) and plan.rows is not None:
-            layers.run(hidden, positions, self.rope_cos, self.rope_sin, kv_caches, meta.slot_mapping, plan.rows,
+        rows = plan.rows if isinstance(plan, CppPlan) else None  # None: the C++ attention cannot read the cache
+        if rows is not None and (layers := self._layer_loop(kv_caches[0])) is not None:
+            layers.run(hidden, positions, self.rope_cos, self.rope_sin, kv_caches, meta.slot_mapping, rows,
                        self.config.head_dim**-0.5)
         else:
             cos = F.embedding(positions, self.rope_cos).unsqueeze(1)  # [T, 1, D]
@@ -278,11 +278,10 @@ class LlamaForCausalLM(nn.Module):
                 hidden = layer(hidden, cos, sin, kv_cache, attention, plan)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
-    def _layer_loop(self, plan: AttentionPlan, kv: PagedKV) -> decoder_cpu.DecoderLayers | None:
-        """The C++ layer loop, if it runs this model and step's cache: which does not depend
-        on the step's tokens, so decode and verify steps take the same path."""
-        if not (self.cpu_layer_loop and isinstance(plan, CppPlan) and plan.rows is not None
-                and decoder_cpu.supports_cache(kv)):
+    def _layer_loop(self, kv: PagedKV) -> decoder_cpu.DecoderLayers | None:
+        """The C++ layer loop, if it runs this model and cache (the C++ attention reads it):
+        which does not depend on the step's tokens, so decode and verify take the same path."""
+        if not (self.cpu_layer_loop and decoder_cpu.supports_cache(kv)):
             return None
         linears = [linear for layer in cast(list[LlamaDecoderLayer], list(self.layers))
                    for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
