@@ -31,12 +31,20 @@ void tile(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, int64_t
     // Past the group's end: the next group, which this thread reads next (never faults).
     for (int64_t offset = 0; offset < kStep; offset += 64) __builtin_prefetch(step + kAheadBytes + offset);
     const Block block(step);
-    for (int u = 0; u < 2; ++u) {
-      Unit weights[C];
-      for (int c = 0; c < C; ++c) weights[c] = block.unit(first + c, u);
-      for (int r = 0; r < R; ++r) {
-        const Unit xs = load(x + r * ldx + b * kBlock + 16 * u);
-        for (int c = 0; c < C; ++c) acc[r][c] = fma(xs, weights[c], acc[r][c]);
+    if constexpr (R == 1) {
+      // One row: each unit is used as soon as it is decoded, so only one is live; the
+      // compiler then keeps all C accumulators in registers (decoding a unit of every
+      // column first spilled them).
+      for (int c = 0; c < C; ++c)
+        for (int u = 0; u < 2; ++u) acc[0][c] = fma(load(x + b * kBlock + 16 * u), block.unit(first + c, u), acc[0][c]);
+    } else {
+      for (int u = 0; u < 2; ++u) {
+        Unit weights[C];
+        for (int c = 0; c < C; ++c) weights[c] = block.unit(first + c, u);
+        for (int r = 0; r < R; ++r) {
+          const Unit xs = load(x + r * ldx + b * kBlock + 16 * u);
+          for (int c = 0; c < C; ++c) acc[r][c] = fma(xs, weights[c], acc[r][c]);
+        }
       }
     }
   }

@@ -218,6 +218,7 @@ class LlamaForCausalLM(nn.Module):
         # The loop built for the projections' current packings (None: cannot run them).
         self._decoder_layers: decoder_cpu.DecoderLayers | None = None
         self._loop_packings: list[Any] = []
+        self._loop_installs = -1  # PackedLinear.installs when the packings were last checked
 
     def _init_rope(
         self,
@@ -283,13 +284,14 @@ class LlamaForCausalLM(nn.Module):
         which does not depend on the step's tokens, so decode and verify take the same path."""
         if not (self.cpu_layer_loop and decoder_cpu.supports_cache(kv)):
             return None
-        linears = [linear for layer in cast(list[LlamaDecoderLayer], list(self.layers))
-                   for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-        # Rebuilt whenever a projection was repacked (use_linear_backend, install_linears).
-        if len(linears) != len(self._loop_packings) or any(
-                linear.packed is not packed for linear, packed in zip(linears, self._loop_packings)):
-            self._loop_packings = [linear.packed for linear in linears]
-            self._decoder_layers = self._build_layer_loop(linears)
+        if self._loop_installs != PackedLinear.installs:  # some projection somewhere was repacked
+            self._loop_installs = PackedLinear.installs
+            linears = [linear for layer in cast(list[LlamaDecoderLayer], list(self.layers))
+                       for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+            if len(linears) != len(self._loop_packings) or any(
+                    linear.packed is not packed for linear, packed in zip(linears, self._loop_packings)):
+                self._loop_packings = [linear.packed for linear in linears]
+                self._decoder_layers = self._build_layer_loop(linears)
         return self._decoder_layers
 
     def _build_layer_loop(self, linears: list[PackedLinear]) -> decoder_cpu.DecoderLayers | None:
