@@ -266,8 +266,13 @@ def evaluate_config(llm: LLM | None, label: str, prompts: Prompts, args: argpars
 def run_prompt(llm: LLM, key: Key, turns: list[str], params: SamplingParams, plain_first: bool,
                bar: Any) -> PromptResult:
     runs: dict[bool, Run] = {}
+    # Both runs find the prefix cache as the first found it (what earlier prompts left, as
+    # in a server): the second must not reuse the first's prefill of the same prompt.
+    blocks = llm.engine.block_manager
+    cached_before = set(blocks.cached)
     # Alternate who goes first, so drift in machine load favours neither.
     for speculative in ((False, True) if plain_first else (True, False)):
+        blocks.forget_cached(cached_before)
         runs[speculative] = engine_run(llm, turns, params, speculative)
         bar.update(1)
     return PromptResult(*key, spec=runs[True], plain=runs[False])

@@ -29,7 +29,7 @@ def _help_entries(capsys: pytest.CaptureFixture[str], command: str) -> dict[str,
     name = ""
     for line in capsys.readouterr().out.splitlines():
         if line.startswith("  ") and not line.startswith("   "):  # an entry starts; deeper lines go on with it
-            name = line.split()[0]
+            name = line.split()[0].rstrip(",")  # "--flag, --no-flag": a flag that defaults to on
             entries[name] = line.strip()
         elif name and line.startswith("   "):
             entries[name] += " " + line.strip()

@@ -175,3 +175,31 @@ def test_metric_snapshots_subtract_and_add() -> None:
     total = EngineMetrics() + delta + EngineMetrics(5)  # per-position lists pad to the longest
     assert total.num_accepted_tokens_per_pos == [1, 1, 0, 0, 0] and total.num_drafts == 1
     assert EngineMetrics.from_dict(total.as_dict()) == total
+
+
+def test_both_runs_of_a_prompt_find_the_same_prefix_cache(tiny_model_dir: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+    from types import SimpleNamespace
+
+    from specdec.evals import acceptance_run
+
+    args = argparse.Namespace(max_model_len=512, dtype="auto", seed=0, quantization="none")
+    llm = default_llm(str(tiny_model_dir), {"method": "ngram", "num_speculative_tokens": 3}, args)
+    hits: list[int] = []
+    engine_run = acceptance_run.engine_run
+
+    def counted(*a: Any, **k: Any) -> Any:
+        before = llm.get_metrics()["prefix_cache_hits"]
+        run = engine_run(*a, **k)
+        hits.append(llm.get_metrics()["prefix_cache_hits"] - before)
+        return run
+
+    monkeypatch.setattr(acceptance_run, "engine_run", counted)
+    turns = ["a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3, "and again"]
+    params = acceptance_run.sampling_params(0.0, 8, 0)
+    acceptance_run.run_prompt(llm, ("ngram-k3", 0.0, "qa", "x"), turns, params, plain_first=True,
+                              bar=SimpleNamespace(update=lambda n: None))
+    # The second turn reuses the first's blocks in each run, and the second run does not
+    # reuse the first run's prefill of the same prompt.
+    assert hits[0] > 0 and hits[0] == hits[1]
