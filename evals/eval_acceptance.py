@@ -48,6 +48,7 @@ from specdec.evals.acceptance_run import (
     plan,
     warm_up,
 )
+from specdec.config import QUANTIZATION_CHOICES, EngineConfig
 from specdec.metrics import EngineMetrics
 
 if TYPE_CHECKING:
@@ -72,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and for HF assisted generation")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--quantization", default="none", choices=("none", "gguf", "q8_0", "q4_0", "q4_1"),
-                        help="the engine's quantization (gguf: the default model's own Q4_1 blocks)")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
+                        help="the engine's quantization (auto: the engine's default, which for the default "
+                             "model is gguf, its own Q4_1 blocks; none: its dequantized float weights)")
     parser.add_argument("--seed", type=int, default=0, help="engine seed; prompt i samples with seed+i")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up conversations per config (not reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -97,6 +99,9 @@ def evaluate(args: argparse.Namespace, make_llm: MakeLLM | None = None) -> dict[
     from tqdm import tqdm
 
     make_llm = make_llm or default_llm
+    # "auto" as the engine resolves it, so that the report and the journal name what ran.
+    args.quantization = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                                     speculative_config=None).quantization
     configs = parse_configs(args.configs, args.draft_model, args.model)
     prompts = load_prompts(args.prompts, args.num_prompts)
     num_prompts = sum(len(items) for items in prompts.values())
@@ -110,7 +115,7 @@ def evaluate(args: argparse.Namespace, make_llm: MakeLLM | None = None) -> dict[
     for label, config in configs.items():
         bar.set_postfix_str(label)
         journal.set_setup(label, {"model": args.model, "speculative_config": config, "max_tokens": args.max_tokens,
-                                  "dtype": args.dtype, "seed": args.seed})
+                                  "dtype": args.dtype, "quantization": args.quantization, "seed": args.seed})
         pending = [key for key, _, _ in plan(label, prompts, args.temperatures) if journal.get(key) is None]
         llm = None  # free the previous engine (weights + KV cache) before building the next
         llm = make_llm(args.model, config, args) if pending else None

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from specdec.model_registry import DEFAULT_MODEL, model_cache_dir
+from specdec.model_registry import DEFAULT_MODEL, KNOWN_MODELS, model_cache_dir
 
 METHODS = ("ngram", "suffix", "hybrid", "draft_model", "medusa")
 # The default speculation (default_speculative_config): trees of up to 16 nodes, 16 deep
@@ -129,6 +129,9 @@ DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
 }
 DEVICES = ("auto", "cpu", "cuda")
+# The engine's quantization values: "auto" is resolved at start-up to one of the loader's
+# (specdec.models.loader.QUANTIZATIONS, which a test keeps equal to the rest).
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1")
 # The names of specdec.kernels.attention.BACKENDS (a test checks), spelled out because
 # config must not import the kernels (they import it).
 ATTENTION_BACKENDS = ("auto", "cpp", "torch", "triton")
@@ -177,11 +180,13 @@ class EngineConfig:
     linear_backend: str = _option("auto", "packed CPU matmuls for the projections and LM head: auto | cpp-fp16 | "
                                           "fp16 | fp32 | int8 | int8-rowwise | bf16 | onednn-fp32 | onednn-bf16 "
                                           "(see evals/bench_kernels.py)")
-    quantization: str = _option("none", "how the projections and LM head keep their weights: none (float, on "
+    quantization: str = _option("auto", "how the projections and LM head keep their weights: none (float, on "
                                         "linear_backend; a .gguf model dequantized at load), gguf (a .gguf model's "
                                         "own Q8_0/Q4_0/Q4_1 blocks on the C++ quantized kernels, no float copy), "
-                                        "q8_0 | q4_0 | q4_1 (each projection quantized at load)",
-                                choices=("none", "gguf", "q8_0", "q4_0", "q4_1"))
+                                        "q8_0 | q4_0 | q4_1 (each projection quantized at load); auto: gguf for a "
+                                        ".gguf file or a known model name (they ship as GGUF) on the CPU in float32 "
+                                        "with linear_backend auto, else none",
+                                choices=QUANTIZATION_CHOICES)
     quantized_activations: str = _option(
         "float32", "activations of the quantized kernels (quantization other than none): float32 (exact: the "
                    "float32 product with the dequantized weights), or int8 (opt-in and lossy: each activation row "
@@ -205,6 +210,8 @@ class EngineConfig:
         uses: the one place engine options are converted."""
         _check_device(self.device)
         self.dtype = _as_dtype(self.dtype, self.torch_device, self.model)
+        self.quantization = _as_quantization(self.quantization, self.model, self.dtype, self.torch_device,
+                                             self.linear_backend)
         self.speculative_config = _as_speculative_config(self.speculative_config, self.model, self.torch_device)
         if not self.kv_cache_memory and self.torch_device.type != "cuda":  # None, 0: "no preference"
             self.kv_cache_memory = DEFAULT_KV_CACHE_MEMORY
@@ -291,6 +298,22 @@ class EngineConfig:
 def engine_options() -> list[Field[Any]]:
     """The engine options, in order: every field of EngineConfig."""
     return list(fields(EngineConfig))
+
+
+def _as_quantization(value: str, model: str, dtype: torch.dtype, device: torch.device, linear_backend: str) -> str:
+    """What quantization "auto" means: a GGUF model (a .gguf file whose block types the
+    quantized kernels read, or a known name: those ship as GGUF) runs on its own blocks
+    where the kernels run it (the CPU, float32 activations, no float linear backend asked
+    for); anything else keeps float weights."""
+    if value != "auto":
+        return value
+    if not (device.type == "cpu" and dtype == torch.float32 and linear_backend == "auto"):
+        return "none"
+    from specdec.kernels.linear_gguf import GgufLinear
+    from specdec.models.gguf_loader import is_gguf, keeps_blocks
+
+    own_blocks = model in KNOWN_MODELS or (is_gguf(model) and keeps_blocks(model))
+    return "gguf" if own_blocks and GgufLinear.is_available() else "none"
 
 
 def _as_dtype(value: torch.dtype | str, device: torch.device, model: str) -> torch.dtype:

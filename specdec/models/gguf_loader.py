@@ -36,6 +36,17 @@ def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix.lower() == ".gguf"
 
 
+def keeps_blocks(path: str | Path) -> bool:
+    """Whether quantization "gguf" runs this file: every tensor is float or a block type
+    the quantized kernels read (False for a file that is missing or unreadable, which
+    loading then reports)."""
+    try:
+        reader = open_gguf(path)
+    except (OSError, ValueError):
+        return False
+    return all(t.tensor_type in BLOCK_NAMES or t.tensor_type in FLOAT_TYPES for t in reader.tensors)
+
+
 def open_gguf(path: str | Path) -> GGUFReader:
     """The file's reader (memory-mapped copy-on-write: nothing is written back); a
     ValueError naming the file if it is missing, truncated or not a GGUF."""

@@ -224,7 +224,7 @@ def test_a_block_type_the_kernels_do_not_run_is_refused_by_name(tiny_model_dir: 
 
 
 def test_quantization_options_are_checked(tiny_gguf: Path, tiny_model_dir: Path) -> None:
-    assert EngineConfig.__dataclass_fields__["quantization"].metadata["choices"] == QUANTIZATIONS
+    assert EngineConfig.__dataclass_fields__["quantization"].metadata["choices"] == ("auto", *QUANTIZATIONS)
     with pytest.raises(ValueError, match="linear_backend 'fp16' would go unused"):
         LLM(str(tiny_gguf), quantization="gguf", linear_backend="fp16")
     with pytest.raises(ValueError, match="quantization 'int4' is not one of"):
@@ -290,9 +290,25 @@ def test_the_quantization_flag(tiny_gguf: Path) -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert parser.parse_args([str(tiny_gguf), "--quantization", "gguf"]).quantization == "gguf"
-    assert parser.parse_args([]).quantization == "none"
+    assert parser.parse_args([]).quantization == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int4"])
+
+
+def test_auto_quantization_runs_a_gguf_on_its_own_blocks_where_it_can(tiny_gguf: Path, tiny_model_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    assert EngineConfig(model=str(tiny_gguf)).quantization == "gguf"
+    assert EngineConfig().quantization == "gguf"  # the default model ships as GGUF
+    assert EngineConfig(model=str(tiny_model_dir)).quantization == "none"  # an HF directory
+    # A float linear backend, another dtype or a file with a block type the kernels do not
+    # read: dequantized at load, as quantization "none".
+    assert EngineConfig(model=str(tiny_gguf), linear_backend="cpp-fp16").quantization == "none"
+    assert EngineConfig(model=str(tiny_gguf), dtype="bfloat16").quantization == "none"
+    q5 = write_gguf(tmp_path / "q5.gguf", tiny_model_dir, override={"blk.1.ffn_up.weight": T.Q5_0})
+    assert EngineConfig(model=str(q5)).quantization == "none"
+    assert EngineConfig(model=str(tmp_path / "missing.gguf")).quantization == "none"
+    llm = LLM(str(tiny_gguf), speculative_config=None)
+    assert llm.engine.model.layers[0].qkv_proj.weight.qtypes  # blocks, not a float copy
 
 
 @pytest.mark.slow
