@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specdec.config import QUANTIZATION_CHOICES, EngineConfig
 from specdec.evals.acceptance_baselines import num_methods, run_hf_baselines
 from specdec.evals.acceptance_report import build_report, markdown_table, write_reports
 from specdec.evals.acceptance_run import (
@@ -48,7 +49,6 @@ from specdec.evals.acceptance_run import (
     plan,
     warm_up,
 )
-from specdec.config import QUANTIZATION_CHOICES, EngineConfig
 from specdec.metrics import EngineMetrics
 
 if TYPE_CHECKING:

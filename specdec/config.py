@@ -173,7 +173,8 @@ class EngineConfig:
     kv_cache_dtype: str = _option("auto", "KV cache storage dtype (auto: the model dtype); fp16/bf16 halve KV "
                                           "memory, fp8 (e4m3 with per-token, per-head scales) about quarters it",
                                   choices=KV_CACHE_DTYPES)
-    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompt prefixes computed before (as vLLM v1 does by default)")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompt prefixes computed before (as vLLM "
+                                                "v1 does by default)")
     dtype: torch.dtype = _option("auto", "dtype of the model's weights and activations (auto: float32 on the CPU; "
                                          "on CUDA the checkpoint's bf16/fp16, bf16 for a float32 one)",
                                  choices=DTYPES)
