@@ -44,7 +44,13 @@ def keeps_blocks(path: str | Path) -> bool:
         reader = open_gguf(path)
     except (OSError, ValueError):
         return False
-    return all(t.tensor_type in BLOCK_NAMES or t.tensor_type in FLOAT_TYPES for t in reader.tensors)
+    return all(_kept_as_is(t.tensor_type) for t in reader.tensors)
+
+
+def _kept_as_is(tensor_type: GGMLQuantizationType) -> bool:
+    """Whether quantization "gguf" keeps a tensor of this type as stored (blocks the kernels
+    read, or floats); any other type it refuses."""
+    return tensor_type in BLOCK_NAMES or tensor_type in FLOAT_TYPES
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
@@ -122,7 +128,7 @@ class GgufTensors:
         weight: Tensor | QuantizedMatrix
         if self.keep_blocks and tensor.tensor_type in BLOCK_NAMES:
             weight = QuantizedMatrix(BLOCK_NAMES[tensor.tensor_type], torch.from_numpy(tensor.data), shape[-1])
-        elif self.keep_blocks and tensor.tensor_type not in FLOAT_TYPES:
+        elif self.keep_blocks and not _kept_as_is(tensor.tensor_type):
             raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which quantization "
                              f"'gguf' does not run (block types: {', '.join(t.name for t in BLOCK_NAMES)}); load it "
                              "with quantization 'none', or quantize it at load with q8_0, q4_0 or q4_1")

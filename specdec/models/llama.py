@@ -23,7 +23,7 @@ out of the way even when a caller forgets torch.inference_mode().
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -217,8 +217,7 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_layer_loop = True
         # The loop built for the projections' current packings (None: cannot run them).
         self._decoder_layers: decoder_cpu.DecoderLayers | None = None
-        self._loop_packings: list[Any] = []
-        self._loop_installs = -1  # PackedLinear.installs when the packings were last checked
+        self._loop_installs = -1  # PackedLinear.installs when it was built
 
     def _init_rope(
         self,
@@ -284,24 +283,19 @@ class LlamaForCausalLM(nn.Module):
         which does not depend on the step's tokens, so decode and verify take the same path."""
         if not (self.cpu_layer_loop and decoder_cpu.supports_cache(kv)):
             return None
-        if self._loop_installs != PackedLinear.installs:  # some projection somewhere was repacked
+        if self._loop_installs != PackedLinear.installs:  # a projection (maybe another model's) was repacked
             self._loop_installs = PackedLinear.installs
-            linears = [linear for layer in cast(list[LlamaDecoderLayer], list(self.layers))
-                       for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-            if len(linears) != len(self._loop_packings) or any(
-                    linear.packed is not packed for linear, packed in zip(linears, self._loop_packings)):
-                self._loop_packings = [linear.packed for linear in linears]
-                self._decoder_layers = self._build_layer_loop(linears)
+            self._decoder_layers = self._build_layer_loop()
         return self._decoder_layers
 
-    def _build_layer_loop(self, linears: list[PackedLinear]) -> decoder_cpu.DecoderLayers | None:
+    def _build_layer_loop(self) -> decoder_cpu.DecoderLayers | None:
         first = self.layers[0]
         if (self.dtype != torch.float32 or self.embed_tokens.device.type != "cpu" or first.qk_norm is not None
                 or not decoder_cpu.builds()):
             return None
-        pairs = [(linear.backend, linear.packed) for linear in linears]
-        layers = [decoder_cpu.LayerWeights(layer.input_norm, layer.post_attn_norm, tuple(pairs[4 * i : 4 * i + 4]))
-                  for i, layer in enumerate(self.layers)]
+        layers = [decoder_cpu.LayerWeights(layer.input_norm, layer.post_attn_norm, tuple(
+            (linear.backend, linear.packed) for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                           layer.down_proj))) for layer in self.layers]
         if not all(decoder_cpu.runs_projection(*pair) for layer in layers for pair in layer.projections):
             return None
         c = self.config
