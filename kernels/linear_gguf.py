@@ -47,6 +47,11 @@ class GgufLinear(LinearBackend):
     def is_available(cls) -> bool:
         return builds() and auto_isa() != "" and CppFp16Linear.is_available()
 
+    @property
+    def float_headers(self) -> bool:
+        """Whether its weights are best packed with float32 headers (linear_quant.pack)."""
+        return self.activations == "float32"
+
     def prepare(self, weight: Tensor, bias: Tensor | None = None) -> Packed | FloatPacked:
         if not isinstance(weight, QuantizedTensor):
             return None, self.floats.prepare(weight, bias)
@@ -88,7 +93,7 @@ class QuantLinear(GgufLinear):
                 raise ValueError(f"linear backend {self.name!r} reads {self.qtype} blocks, got "
                                  f"{'+'.join(weight.qtypes)}")
             return weight.parts, as_fp32_or_none(bias)
-        return (pack(quantize(weight, self.qtype)),), as_fp32_or_none(bias)
+        return (pack(quantize(weight, self.qtype), self.float_headers),), as_fp32_or_none(bias)
 
 
 class Q8_0Linear(QuantLinear):

@@ -56,9 +56,10 @@ class PackedQuant:
     padded_cols: int
 
 
-def pack(matrix: QuantizedMatrix) -> PackedQuant:
-    """The kernel's layout of `matrix` (a copy of its blocks, reordered; K-quants repacked)."""
-    kernel = kernel_blocks(matrix)
+def pack(matrix: QuantizedMatrix, float_headers: bool = False) -> PackedQuant:
+    """The kernel's layout of `matrix` (a copy of its blocks, reordered; K-quants repacked,
+    and Q4_1's headers widened to float32 with float_headers: see kernel_blocks)."""
+    kernel = kernel_blocks(matrix, float_headers)
     rows, steps, width = kernel.blocks.shape
     padded = torch.zeros(-(-rows // GROUP) * GROUP, steps, width, dtype=torch.uint8)
     padded[:rows] = kernel.blocks

@@ -48,14 +48,15 @@ class QuantizedTensor(Tensor):
     _warned: bool
 
     @staticmethod
-    def __new__(cls, matrices: list[QuantizedMatrix]) -> QuantizedTensor:
-        """The rows of `matrices` stacked (runs of one block type merged into one part)."""
+    def __new__(cls, matrices: list[QuantizedMatrix], float_headers: bool = False) -> QuantizedTensor:
+        """The rows of `matrices` stacked (runs of one block type merged into one part),
+        packed for the kernel (float_headers: linear_quant.pack)."""
         if not matrices or len({m.cols for m in matrices}) != 1:
             raise ValueError("a QuantizedTensor needs one or more matrices of one width")
         rows, cols = sum(m.rows for m in matrices), matrices[0].cols
         placeholder = torch.zeros((), dtype=torch.float32).expand(rows, cols)
         tensor = Tensor._make_subclass(cls, placeholder, False)
-        tensor.parts = tuple(pack(concat_rows(run)) for run in _runs_of_one_type(matrices))
+        tensor.parts = tuple(pack(concat_rows(run), float_headers) for run in _runs_of_one_type(matrices))
         tensor._warned = False
         return tensor
 

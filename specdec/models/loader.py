@@ -102,28 +102,30 @@ def load_model(
         params = dict(model.named_parameters())
         if set(plan) != set(params):  # a parameter left out would stay uninitialised
             raise RuntimeError(f"weight plan/model mismatch: {set(plan) ^ set(params)}")
+        float_headers = isinstance(linear, GgufLinear) and linear.float_headers
         for name, pieces in plan.items():
             shared = _shareable_fallback(params[name], pieces, source)
             if shared is None:
-                shared = _fill(params[name], pieces, source)
+                shared = _fill(params[name], pieces, source, float_headers)
             if shared is not None:
                 _replace_parameter(model, name, shared)
         _warn_unused(tensors, plan, config)
     model.tie_weights()
     if quantization in QUANTIZABLE:
-        _quantize_linears(model, quantization)
+        _quantize_linears(model, quantization, float_headers)
     model.use_linear_backend(linear)
     return model.eval()
 
 
-def _quantize_linears(model: LlamaForCausalLM, qtype: str) -> None:
+def _quantize_linears(model: LlamaForCausalLM, qtype: str, float_headers: bool) -> None:
     """Quantize-at-load: every projection's float weight (and with it a tied embedding
-    table, whose lookups then read the quantized rows) replaced by its blocks."""
+    table, whose lookups then read the quantized rows) replaced by its blocks, packed for
+    the backend (float_headers: kernels/linear_quant.pack)."""
     blocks: dict[int, QuantizedTensor] = {}
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if isinstance(module, PackedLinear) and name == "weight" and not isinstance(param, QuantizedTensor):
-                blocks.setdefault(id(param), QuantizedTensor([quantize(param, qtype)]))
+                blocks.setdefault(id(param), QuantizedTensor([quantize(param, qtype)], float_headers))
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) in blocks:
@@ -288,9 +290,10 @@ def _replace_parameter(model: LlamaForCausalLM, name: str, tensor: Tensor) -> No
     setattr(module, attr, nn.Parameter(tensor, requires_grad=False))  # shares storage
 
 
-def _fill(param: Tensor, pieces: list[_Piece], source: _Source) -> QuantizedTensor | None:
+def _fill(param: Tensor, pieces: list[_Piece], source: _Source, float_headers: bool) -> QuantizedTensor | None:
     """Copy each piece into its row slice of param (converting dtype/device); or, where
-    the pieces are GGUF blocks, return the QuantizedTensor of them to take param's place."""
+    the pieces are GGUF blocks, return the QuantizedTensor of them to take param's place
+    (float_headers: kernels/linear_quant.pack)."""
     start, blocks = 0, []
     for piece in pieces:
         dest = param[start : start + piece.rows]
@@ -306,7 +309,7 @@ def _fill(param: Tensor, pieces: list[_Piece], source: _Source) -> QuantizedTens
         start += piece.rows
     if blocks and len(blocks) != len(pieces):
         raise ValueError(f"weights {[p.hf_name for p in pieces]} mix GGUF blocks and float tensors in one projection")
-    return QuantizedTensor(blocks) if blocks else None
+    return QuantizedTensor(blocks, float_headers) if blocks else None
 
 
 def _warn_unused(tensors: dict[str, Any], plan: WeightPlan, config: ModelConfig) -> None:

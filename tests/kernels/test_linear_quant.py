@@ -117,6 +117,27 @@ def test_a_build_without_avx512_picks_the_avx2_variant() -> None:
         assert run.stdout.split() == [picked, "True"]  # either way, both variants are there to ask for
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 64, 96), (2, 37, 51), (6, 576, 960), (13, 128, 130), (65, 70, 19)])
+@pytest.mark.parametrize("num_threads", [1, 2, 4])
+def test_float_headers_change_only_q4_1s_layout_not_a_bit_of_its_products(m: int, k: int, n: int, num_threads: int,
+                                                                         threads: None) -> None:
+    """Q4_1 packed with float32 headers (the K-quants' 32-weight layout) gives the same
+    products bit for bit, in both activation modes, and the same embedding rows; the
+    other block types ignore the option."""
+    torch.set_num_threads(num_threads)
+    matrix, x, bias = _case("q4_1", m, k, n)
+    half, wide = linear_quant.pack(matrix), linear_quant.pack(matrix, float_headers=True)
+    assert (half.qtype, half.format_id, wide.qtype, wide.format_id) == ("q4_1", 2, "q4_1", 3)
+    for activations in linear_quant.ACTIVATIONS:
+        assert torch.equal(linear_quant.linear_quant(x, wide, bias, activations=activations),
+                           linear_quant.linear_quant(x, half, bias, activations=activations))
+    rows = torch.arange(n)
+    assert torch.equal(linear_quant.dequantize_rows(wide, rows), linear_quant.dequantize_rows(half, rows))
+    for qtype in ("q8_0", "q4_0"):
+        other = quantize(torch.randn(n, k), qtype)
+        assert torch.equal(linear_quant.pack(other, float_headers=True).groups, linear_quant.pack(other).groups)
+
+
 @pytest.mark.parametrize("qtype", QTYPES + K_QUANTS)
 def test_embedding_rows_are_dequantized_exactly(qtype: str) -> None:
     """Also what proves the K-quant repack exact: every weight as gguf dequantizes it."""

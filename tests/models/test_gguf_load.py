@@ -282,6 +282,15 @@ def test_quantize_at_load_is_close_to_the_float_model(tiny_model_dir: Path, tiny
     assert requantized.layers[0].qkv_proj.weight.qtypes == ("q4_0",)
 
 
+def test_the_exact_kernel_reads_q4_1_with_float_headers_and_int8_activations_without(tiny_gguf: Path) -> None:
+    """float32 activations: Q4_1 packed with float32 headers (faster for that kernel);
+    int8 activations: as the file stores it (fewer bytes, which that kernel prefers)."""
+    for activations, q4_1_format in (("float32", 3), ("int8", 2)):
+        model = load_model(tiny_gguf, quantization="gguf", quantized_activations=activations)
+        parts = model.layers[0].qkv_proj.weight.parts
+        assert [(p.qtype, p.format_id) for p in parts] == [("q4_1", q4_1_format), ("q8_0", 0)]
+
+
 def test_the_quantization_flag(tiny_gguf: Path) -> None:
     import argparse
 
