@@ -29,12 +29,15 @@ inline Unit fma(Unit x, Unit w, Unit acc) {
 }
 
 // 16 ymm registers: two per accumulator, two per decoded unit, and the step's scales and
-// a few constants (activations are read as the multiply-adds' memory operands). Six rows
-// take a 1 + 5 verify in one pass over the weights: 25-30% less time than 4 + 2, which
-// decodes every block twice. One row takes four columns a tile: eight accumulator chains
-// hide the multiply-add latency (10% faster than two columns on Zen3).
-constexpr int max_rows(int columns) { return columns >= 2 ? 1 : 6; }
-inline int64_t columns_per_tile(int64_t rows) { return rows == 1 ? 4 : 1; }
+// a few constants (activations are read as the multiply-adds' memory operands), so a tile
+// keeps one decoded unit live (kOneUnitLive). Six rows take a 1 + 5 verify in one pass
+// over the weights: 25-30% less time than 4 + 2, which decodes every block twice. One row
+// takes four columns a tile and two or three rows two: eight or twelve accumulator chains
+// hide the multiply-add latency (on Zen3: 10% faster than two columns for one row, 17%
+// faster than one column for two rows).
+constexpr int max_rows(int columns) { return columns >= 4 ? 1 : columns == 2 ? 3 : 6; }
+inline int64_t columns_per_tile(int64_t rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
+constexpr bool kOneUnitLive = true;
 
 // The 16 lanes summed as (l, l + 8), then as reduce8 does.
 inline float reduce(Unit acc) { return reduce8(_mm256_add_ps(acc.low, acc.high)); }

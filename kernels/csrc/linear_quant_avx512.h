@@ -27,6 +27,7 @@ inline Unit fma(Unit x, Unit w, Unit acc) { return _mm512_fmadd_ps(x, w, acc); }
 // 32 zmm registers: R * C accumulators plus C decoded units and their blocks' scales.
 constexpr int max_rows(int columns) { return columns >= 3 ? 2 : columns == 2 ? 6 : 12; }
 inline int64_t columns_per_tile(int64_t rows) { return rows <= 2 ? 4 : rows <= 6 ? 2 : 1; }
+constexpr bool kOneUnitLive = false;  // 32 registers: every column's unit decoded before the rows
 
 // The 16 lanes summed as (l, l + 8), then as reduce8 does.
 inline float reduce(Unit acc) {

@@ -31,12 +31,15 @@ void tile(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, int64_t
     // Past the group's end: the next group, which this thread reads next (never faults).
     for (int64_t offset = 0; offset < kStep; offset += 64) __builtin_prefetch(step + kAheadBytes + offset);
     const Block block(step);
-    if constexpr (R == 1) {
-      // One row: each unit is used as soon as it is decoded, so only one is live; the
-      // compiler then keeps all C accumulators in registers (decoding a unit of every
-      // column first spilled them).
+    if constexpr (R == 1 || kOneUnitLive) {
+      // Each unit is used by every row as soon as it is decoded, so only one is live; the
+      // compiler then keeps all R * C accumulators in registers (decoding a unit of every
+      // column first spilled them on AVX2).
       for (int c = 0; c < C; ++c)
-        for (int u = 0; u < 2; ++u) acc[0][c] = fma(load(x + b * kBlock + 16 * u), block.unit(first + c, u), acc[0][c]);
+        for (int u = 0; u < 2; ++u) {
+          const Unit w = block.unit(first + c, u);
+          for (int r = 0; r < R; ++r) acc[r][c] = fma(load(x + r * ldx + b * kBlock + 16 * u), w, acc[r][c]);
+        }
     } else {
       for (int u = 0; u < 2; ++u) {
         Unit weights[C];
