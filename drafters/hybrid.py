@@ -65,7 +65,7 @@ class _Offer:
     """What a request was offered at its last step, to score once its tokens are known."""
 
     root_position: int  # index of the root in the request's token ids
-    paths: list[list[tuple[tuple[int, ...], float]]]  # per source: (path of tokens, its chance) of its kept nodes
+    paths: list[list[tuple[tuple[int, ...], float]]]  # per source: (path of tokens, its chance) of each guess
 
 
 @dataclass
@@ -107,7 +107,7 @@ class HybridDrafter(Drafter):
             drafts = [(suffix[i], SUFFIX)] + ([(heads[chosen.index(i)], HEADS)] if i in chosen else [])
             merged = merge_drafts(request.token_ids[-1], [(d, self.calibrations[s].factor) for d, s in drafts],
                                   request.num_draft_tokens, min_chance)
-            self._remember(request, merged.tree, drafts)
+            self._remember(request, drafts)
             trees.append(merged.tree)
         return trees
 
@@ -178,15 +178,15 @@ class HybridDrafter(Drafter):
 
     # ---- learning -----------------------------------------------------------------------
 
-    def _remember(self, request: DraftRequest, tree: DraftTree, drafts: list[tuple[ScoredDraft, int]]) -> None:
-        """Keep, per source, the paths of its guesses that made it into the verified tree."""
-        kept = {tuple(tree.token_ids[n] for n in tree.path_to(i)[1:]) for i in range(1, tree.num_nodes)}
+    def _remember(self, request: DraftRequest, drafts: list[tuple[ScoredDraft, int]]) -> None:
+        """Keep, per source, the paths of all its guesses, verified or cut: a cut guess is
+        judged by the tokens the target commits all the same, so that one source's bad
+        start cannot cut all its later guesses for good (nothing verified, nothing learnt)."""
         paths: list[list[tuple[tuple[int, ...], float]]] = [[], []]
         for draft, source in drafts:
             for i in range(1, draft.tree.num_nodes):
                 path = tuple(draft.tree.token_ids[n] for n in draft.tree.path_to(i)[1:])
-                if path in kept:
-                    paths[source].append((path, draft.probs[i]))
+                paths[source].append((path, draft.probs[i]))
         self.offers[request.request_id] = _Offer(len(request.token_ids) - 1, paths)
 
     def _score_offer(self, request: DraftRequest) -> None:
@@ -195,7 +195,11 @@ class HybridDrafter(Drafter):
         if offer is None or len(request.token_ids) <= offer.root_position + 1:
             return
         committed = tuple(request.token_ids[offer.root_position + 1:])
-        for source, paths in enumerate(offer.paths):
+        for source, offered in enumerate(offer.paths):
+            # A cut guess deeper than the tokens known so far is not judged unless it already
+            # differs from them (a verified one always is: its verify commits past it).
+            paths = [(path, chance) for path, chance in offered
+                     if len(path) <= len(committed) or path[: len(committed)] != committed]
             if not paths:
                 continue
             accepted = sum(1 for path, _ in paths if committed[: len(path)] == path)

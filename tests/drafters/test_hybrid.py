@@ -11,7 +11,7 @@ from specdec import LLM, SamplingParams
 from specdec.adaptive import CostModel
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DraftRequest
-from specdec.drafters.hybrid import HEADS, SUFFIX, HybridDrafter
+from specdec.drafters.hybrid import HEADS, SUFFIX, HybridDrafter, _Calibration, _Offer
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.tree import DraftTree, ScoredDraft, merge_drafts
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
@@ -130,6 +130,34 @@ def test_accepted_suffix_guesses_raise_its_calibration() -> None:
         tree = drafter.propose([ask("r", context)])[0]
         context = context + tree.token_ids[1:3]  # the target takes two guesses each step
     assert drafter.calibrations[SUFFIX].factor > before
+
+
+def test_cut_suffix_guesses_are_judged_too_so_a_bad_start_does_not_stop_drafting() -> None:
+    """A calibration that fell so low that every suffix guess is cut still learns, from
+    the tokens the target commits, that the guesses were right, and drafting resumes."""
+    cost = CostModel([1, 2, 4, 8], [0.010, 0.015, 0.025, 0.045])  # a verify row costs half a decode
+    drafter = HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=6,
+                                                            num_tree_nodes=6, suffix_min_prob=0.0)), None, cost)
+    drafter.calibrations[SUFFIX] = _Calibration(accepted=0.1, predicted=4.0)  # as if wrong at first
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    context = text + [1, 2]
+    assert drafter.propose([ask("r", context)])[0].num_drafts == 0  # every guess cut
+    for token in text[2:]:  # the target copies the text, one plain decode step at a time
+        context = context + [token]
+        drafter.propose([ask("r", context)])
+    assert drafter.calibrations[SUFFIX].factor > 0.5
+    assert drafter.propose([ask("r", context[:-5])])[0].num_drafts > 0
+
+
+def test_a_cut_guess_deeper_than_the_known_tokens_is_not_judged_yet() -> None:
+    drafter = hybrid(None)
+    drafter.offers["r"] = _Offer(2, [[((3, 4, 5), 1.0), ((3, 9, 9), 1.0), ((7, 8, 9), 1.0)], []])
+    before = _Calibration(drafter.calibrations[SUFFIX].accepted, drafter.calibrations[SUFFIX].predicted)
+    drafter.propose([ask("r", [1, 2, 3, 3, 4])])  # two tokens known after the root: 3, 4
+    after = drafter.calibrations[SUFFIX]
+    # (3, 4, 5) is undecided; (3, 9, 9) and (7, 8, 9) are already wrong
+    assert after.predicted == pytest.approx(0.98 * before.predicted + 2.0)
+    assert after.accepted == pytest.approx(0.98 * before.accepted)
 
 
 def test_the_cost_model_keeps_heads_off_when_their_time_outweighs_their_worth() -> None:
