@@ -107,7 +107,7 @@ class HybridDrafter(Drafter):
             drafts = [(suffix[i], SUFFIX)] + ([(heads[chosen.index(i)], HEADS)] if i in chosen else [])
             merged = merge_drafts(request.token_ids[-1], [(d, self.calibrations[s].factor) for d, s in drafts],
                                   request.num_draft_tokens, min_chance)
-            self._remember(request, drafts)
+            self._remember(request, merged.tree, drafts)
             trees.append(merged.tree)
         return trees
 
@@ -178,15 +178,19 @@ class HybridDrafter(Drafter):
 
     # ---- learning -----------------------------------------------------------------------
 
-    def _remember(self, request: DraftRequest, drafts: list[tuple[ScoredDraft, int]]) -> None:
-        """Keep, per source, the paths of all its guesses, verified or cut: a cut guess is
-        judged by the tokens the target commits all the same, so that one source's bad
-        start cannot cut all its later guesses for good (nothing verified, nothing learnt)."""
+    def _remember(self, request: DraftRequest, tree: DraftTree, drafts: list[tuple[ScoredDraft, int]]) -> None:
+        """Keep, per source, the paths of its guesses to score: the heads' that made it into
+        the verified tree (what running them added), and every suffix guess, verified or
+        cut. A cut suffix guess is judged by the tokens the target commits all the same, so
+        that a bad start cannot cut all later suffix guesses for good (nothing verified,
+        nothing learnt)."""
+        kept = {tuple(tree.token_ids[n] for n in tree.path_to(i)[1:]) for i in range(1, tree.num_nodes)}
         paths: list[list[tuple[tuple[int, ...], float]]] = [[], []]
         for draft, source in drafts:
             for i in range(1, draft.tree.num_nodes):
                 path = tuple(draft.tree.token_ids[n] for n in draft.tree.path_to(i)[1:])
-                paths[source].append((path, draft.probs[i]))
+                if source == SUFFIX or path in kept:
+                    paths[source].append((path, draft.probs[i]))
         self.offers[request.request_id] = _Offer(len(request.token_ids) - 1, paths)
 
     def _score_offer(self, request: DraftRequest) -> None:
