@@ -15,10 +15,10 @@
 // whose scale is the super-block's d times the sub-block's integer scale (exact in float32)
 // and whose m is minus dmin times the sub-block's integer min (Q6_K's two 16-weight
 // sub-blocks keep a scale each); the float32 kernel also reads Q4_1 as Q4X, its fp16 d
-// and m widened (its unit then broadcasts them from memory, no shuffles). Each weight is then the one real number d * q + m (m =
-// -8 d for Q4_0, -32 d for Q6X) rounded once to float32: d * q is exact in float32 (at
-// most 24 significant bits), so a fused multiply-add of d, q and m gives exactly gguf's
-// dequantized value.
+// and m widened (its unit then broadcasts them from memory, no shuffles). Each weight is
+// then the one real number d * q + m (m = -8 d for Q4_0, -32 d for Q6X) rounded once to
+// float32: d * q is exact in float32 (at most 24 significant bits), so a fused
+// multiply-add of d, q and m gives exactly gguf's dequantized value.
 //
 // The kernels read a matrix W of N rows (output columns) in groups of kGroup consecutive
 // rows, the last group padded with zero blocks (kernels/linear_quant.py lays GGUF rows

@@ -90,6 +90,7 @@ def load_model(
     reader = open_gguf(path) if is_gguf(path) else None
     config = model_config(reader) if reader is not None else ModelConfig.from_dir(path)
     linear = _linear_backend(linear_backend, quantization, dtype, reader is not None, quantized_activations)
+    float_headers = isinstance(linear, GgufLinear) and linear.float_headers  # how blocks are packed for it
     attention = (make_attention_backend(attention_backend, device) if isinstance(attention_backend, str)
                  else attention_backend)
     model = LlamaForCausalLM(config, attention, dtype=dtype, device=device, max_positions=max_positions)
@@ -102,7 +103,6 @@ def load_model(
         params = dict(model.named_parameters())
         if set(plan) != set(params):  # a parameter left out would stay uninitialised
             raise RuntimeError(f"weight plan/model mismatch: {set(plan) ^ set(params)}")
-        float_headers = isinstance(linear, GgufLinear) and linear.float_headers
         for name, pieces in plan.items():
             shared = _shareable_fallback(params[name], pieces, source)
             if shared is None:
