@@ -8,11 +8,14 @@ small forwards a step but guess open text, where suffix decoding finds nothing.
 
 Each step the suffix draft is made first. Its node chances (empirical probabilities),
 times a calibration measured from what the target accepted, give its expected accepted
-tokens. The heads run only for the requests where their own measured acceptance beats that
-by enough to pay for their time and for the extra verify rows, judged by expected committed
-tokens per second with the target's forward cost (adaptive.py's CostModel, when the config
-is adaptive). The drafts are then merged (specdec.tree.merge_drafts) by calibrated chance,
-and nodes worth less than the verify row they cost are cut.
+tokens. Suffix guesses are calibrated per band of match length: a guess that continues a
+long match (text being copied) is right far more often than one after a two-token match
+of the same frequency. The heads run only for the requests where their own measured
+acceptance beats that by enough to pay for their time and for the extra verify rows,
+judged by expected committed tokens per second with the target's forward cost
+(adaptive.py's CostModel, when the config is adaptive). The drafts are then merged
+(specdec.tree.merge_drafts) by calibrated chance, and nodes worth less than the verify row
+they cost are cut.
 
 Every guess is deterministic (verified one-hot), so the merged tree is verified exactly as
 either drafter's tree would be: lossless for greedy and sampled requests alike.
@@ -23,16 +26,16 @@ Drafter contract's reconciliation), so the drafter needs no hook in the engine.
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 
 from specdec.adaptive import CostModel, LineFit
 from specdec.drafters.base import Drafter, DraftRequest
 from specdec.drafters.recurrent_drafter import RecurrentDrafter
-from specdec.drafters.suffix import SuffixDrafter
+from specdec.drafters.suffix import SuffixDraft, SuffixDrafter
 from specdec.tree import DraftTree, ScoredDraft, merge_drafts
 
 SUFFIX, HEADS = 0, 1
-SOURCES = ("suffix", "heads")
 DISCOUNT = 0.98  # per verify: the calibrations follow about the last 50
 REQUEST_DISCOUNT = 0.8
 HEADS_MARGIN = 0.05  # running the heads must promise 5% more tokens per second
@@ -41,6 +44,17 @@ HEADS_MARGIN = 0.05  # running the heads must promise 5% more tokens per second
 # were the fastest of their settings on open chat); suffix decoding drafts the long runs.
 HEADS_MAX_DEPTH = 5
 HEADS_MAX_NODES = 6
+# Lower bounds of the match-length bands above the first (a suffix match is at least two
+# tokens). Over evals/prompts' categories the target took 20% of the guesses that followed
+# a 2-token match, 33% after 3, ~60% after 4-7 and ~70% after 8 or more, while their
+# frequencies said ~0.5, 0.6, 0.9 and 1.0: one calibration for all let short matches in
+# open text cut the long ones of an edit loop, or long ones let short ones through.
+MATCH_BANDS = (3, 4, 8)
+
+
+def match_band(match_length: int) -> int:
+    """The calibration band of a suffix draft's match length."""
+    return bisect_right(MATCH_BANDS, match_length)
 
 
 @dataclass
@@ -66,6 +80,7 @@ class _Offer:
 
     root_position: int  # index of the root in the request's token ids
     paths: list[list[tuple[tuple[int, ...], float]]]  # per source: (path of tokens, its chance) of each guess
+    band: int  # the suffix draft's match band
 
 
 @dataclass
@@ -89,7 +104,9 @@ class HybridDrafter(Drafter):
     suffix: SuffixDrafter
     heads: RecurrentDrafter | None
     cost: CostModel | None  # the target's forward cost; None: no time model (heads whenever they are worth more)
-    calibrations: list[_Calibration] = field(default_factory=lambda: [_Calibration(), _Calibration()])
+    suffix_calibrations: list[_Calibration] = field(
+        default_factory=lambda: [_Calibration() for _ in range(len(MATCH_BANDS) + 1)])  # per match band
+    heads_calibration: _Calibration = field(default_factory=_Calibration)
     heads_total: _HeadsWorth = field(default_factory=lambda: _HeadsWorth(1.0, 1.0))
     heads_worth: dict[str, _HeadsWorth] = field(default_factory=dict)
     heads_seconds: LineFit = field(default_factory=LineFit)  # heads drafting time against requests drafted
@@ -98,16 +115,16 @@ class HybridDrafter(Drafter):
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         for request in requests:
             self._score_offer(request)
-        suffix = [self.suffix.draft(r) for r in requests]
+        found = [self.suffix.draft(r) for r in requests]
+        suffix = [(d.scored, self._suffix_factor(d)) for d in found]
         chosen = self._choose_heads(requests, suffix)
         heads = self._run_heads([requests[i] for i in chosen])
         min_chance = self._min_chance(requests, suffix)
         trees = []
         for i, request in enumerate(requests):
-            drafts = [(suffix[i], SUFFIX)] + ([(heads[chosen.index(i)], HEADS)] if i in chosen else [])
-            merged = merge_drafts(request.token_ids[-1], [(d, self.calibrations[s].factor) for d, s in drafts],
-                                  request.num_draft_tokens, min_chance)
-            self._remember(request, merged.tree, drafts)
+            drafts = [suffix[i]] + ([(heads[chosen.index(i)], self.heads_calibration.factor)] if i in chosen else [])
+            merged = merge_drafts(request.token_ids[-1], drafts, request.num_draft_tokens, min_chance)
+            self._remember(request, merged.tree, [d for d, _ in drafts], match_band(found[i].match_length))
             trees.append(merged.tree)
         return trees
 
@@ -121,25 +138,25 @@ class HybridDrafter(Drafter):
 
     # ---- choosing ---------------------------------------------------------------------
 
-    def _expected(self, draft: ScoredDraft, source: int) -> float:
-        """Accepted tokens the draft promises, calibrated."""
-        return self.calibrations[source].factor * sum(draft.probs[1:])
+    def _suffix_factor(self, draft: SuffixDraft) -> float:
+        return self.suffix_calibrations[match_band(draft.match_length)].factor
 
-    def _choose_heads(self, requests: list[DraftRequest], suffix: list[ScoredDraft]) -> list[int]:
-        """Indices of the requests whose heads draft is worth running this step."""
+    def _choose_heads(self, requests: list[DraftRequest], suffix: list[tuple[ScoredDraft, float]]) -> list[int]:
+        """Indices of the requests whose heads draft is worth running this step (suffix:
+        each request's suffix draft and its calibration factor)."""
         if self.heads is None:
             return []
-        gains = {i: self._heads_worth(r.request_id).mean - self._expected(suffix[i], SUFFIX)
+        gains = {i: self._heads_worth(r.request_id).mean - _expected(*suffix[i])
                  for i, r in enumerate(requests) if r.hidden is not None}
         order = sorted((i for i, gain in gains.items() if gain > 0), key=lambda i: -gains[i])
         if self.cost is None or not order:
             return order
-        commits = len(requests) + sum(self._expected(d, SUFFIX) for d in suffix)
-        rows = len(requests) + sum(d.tree.num_drafts for d in suffix)
+        commits = len(requests) + sum(_expected(*d) for d in suffix)
+        rows = len(requests) + sum(d.tree.num_drafts for d, _ in suffix)
         best, best_rate = 0, (1 + HEADS_MARGIN) * commits / self.cost.forward_time(rows)
         for m, i in enumerate(order, start=1):
             commits += gains[i]
-            rows += max(min(requests[i].num_draft_tokens, HEADS_MAX_NODES) - suffix[i].tree.num_drafts, 0)
+            rows += max(min(requests[i].num_draft_tokens, HEADS_MAX_NODES) - suffix[i][0].tree.num_drafts, 0)
             rate = commits / (self.cost.forward_time(rows) + self._heads_time(m))
             if rate > best_rate:
                 best, best_rate = m, rate
@@ -151,13 +168,13 @@ class HybridDrafter(Drafter):
         intercept, slope = self.heads_seconds.line(LineFit())
         return max(intercept + slope * num_requests, 0.0)
 
-    def _min_chance(self, requests: list[DraftRequest], suffix: list[ScoredDraft]) -> float:
+    def _min_chance(self, requests: list[DraftRequest], suffix: list[tuple[ScoredDraft, float]]) -> float:
         """The least chance a node must have to be worth its verify row: a row costs the
         forward's slope in seconds, and the step earns commits / seconds."""
         if self.cost is None:
             return 0.0
-        commits = len(requests) + sum(self._expected(d, SUFFIX) for d in suffix)
-        rows = len(requests) + sum(d.tree.num_drafts for d in suffix)
+        commits = len(requests) + sum(_expected(*d) for d in suffix)
+        rows = len(requests) + sum(d.tree.num_drafts for d, _ in suffix)
         return self.cost.slope() * commits / self.cost.forward_time(rows)
 
     def _run_heads(self, requests: list[DraftRequest]) -> list[ScoredDraft]:
@@ -178,20 +195,20 @@ class HybridDrafter(Drafter):
 
     # ---- learning -----------------------------------------------------------------------
 
-    def _remember(self, request: DraftRequest, tree: DraftTree, drafts: list[tuple[ScoredDraft, int]]) -> None:
-        """Keep, per source, the paths of its guesses to score: the heads' that made it into
-        the verified tree (what running them added), and every suffix guess, verified or
-        cut. A cut suffix guess is judged by the tokens the target commits all the same, so
-        that a bad start cannot cut all later suffix guesses for good (nothing verified,
-        nothing learnt)."""
+    def _remember(self, request: DraftRequest, tree: DraftTree, drafts: list[ScoredDraft], band: int) -> None:
+        """Keep, per source (drafts: the suffix draft, then the heads' if they ran), the
+        paths of its guesses to score: the heads' that made it into the verified tree (what
+        running them added), and every suffix guess, verified or cut. A cut suffix guess is
+        judged by the tokens the target commits all the same, so that a bad start cannot
+        cut all later suffix guesses for good (nothing verified, nothing learnt)."""
         kept = {tuple(tree.token_ids[n] for n in tree.path_to(i)[1:]) for i in range(1, tree.num_nodes)}
         paths: list[list[tuple[tuple[int, ...], float]]] = [[], []]
-        for draft, source in drafts:
+        for source, draft in enumerate(drafts):
             for i in range(1, draft.tree.num_nodes):
                 path = tuple(draft.tree.token_ids[n] for n in draft.tree.path_to(i)[1:])
                 if source == SUFFIX or path in kept:
                     paths[source].append((path, draft.probs[i]))
-        self.offers[request.request_id] = _Offer(len(request.token_ids) - 1, paths)
+        self.offers[request.request_id] = _Offer(len(request.token_ids) - 1, paths, band)
 
     def _score_offer(self, request: DraftRequest) -> None:
         """Learn from the request's last offer, now that the tokens after its root are known."""
@@ -207,7 +224,13 @@ class HybridDrafter(Drafter):
             if not paths:
                 continue
             accepted = sum(1 for path, _ in paths if committed[: len(path)] == path)
-            self.calibrations[source].add(accepted, sum(chance for _, chance in paths))
+            calibration = self.suffix_calibrations[offer.band] if source == SUFFIX else self.heads_calibration
+            calibration.add(accepted, sum(chance for _, chance in paths))
             if source == HEADS:
                 self._heads_worth(request.request_id).add(accepted, REQUEST_DISCOUNT)
                 self.heads_total.add(accepted, DISCOUNT)
+
+
+def _expected(draft: ScoredDraft, factor: float) -> float:
+    """Accepted tokens the draft promises, calibrated by factor."""
+    return factor * sum(draft.probs[1:])

@@ -40,6 +40,15 @@ class RequestContext:
 
 
 @dataclass(frozen=True)
+class SuffixDraft:
+    """A suffix draft and the length of the match it continues (0: none found), which says
+    more about its worth than its nodes' frequencies do (hybrid.py calibrates by it)."""
+
+    scored: ScoredDraft
+    match_length: int
+
+
+@dataclass(frozen=True)
 class Evidence:
     """A matched occurrence: which store, where its continuation starts, how long the match."""
 
@@ -59,19 +68,20 @@ class SuffixDrafter(Drafter):
         self.contexts: dict[str, RequestContext] = {}
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
-        return [self.draft(request).tree for request in requests]
+        return [self.draft(request).scored.tree for request in requests]
 
-    def draft(self, request: DraftRequest) -> ScoredDraft:
-        """The request's draft tree and each node's empirical probability."""
+    def draft(self, request: DraftRequest) -> SuffixDraft:
+        """The request's draft tree, each node's empirical probability and the match length."""
         context = request.token_ids
         self.observe(request.request_id, context)
         evidence = self.find(request.request_id, context)
         if not evidence:
-            return build_draft(context[-1], [], 0, self.min_prob)
+            return SuffixDraft(build_draft(context[-1], [], 0, self.min_prob), 0)
         match_length = evidence[0].match_length
         depth = min(request.max_depth, max(1, int(self.spec_factor * match_length)))
         continuations = [e.store.continuation(e.position, depth) for e in evidence]
-        return build_draft(context[-1], continuations, request.num_draft_tokens, self.min_prob)
+        return SuffixDraft(build_draft(context[-1], continuations, request.num_draft_tokens, self.min_prob),
+                           match_length)
 
     def observe(self, request_id: str, token_ids: list[int]) -> None:
         """Index the tokens committed since the request's last step."""

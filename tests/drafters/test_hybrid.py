@@ -11,7 +11,7 @@ from specdec import LLM, SamplingParams
 from specdec.adaptive import CostModel
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DraftRequest
-from specdec.drafters.hybrid import HEADS, SUFFIX, HybridDrafter, _Calibration, _Offer
+from specdec.drafters.hybrid import MATCH_BANDS, HybridDrafter, _Calibration, _Offer, match_band
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.tree import DraftTree, ScoredDraft, merge_drafts
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
@@ -112,7 +112,7 @@ def test_it_learns_from_the_committed_tokens() -> None:
     for step in range(12):  # the target never takes the heads' guesses
         drafter.propose([ask("r", context)])
         context = context + [60 + step]
-    assert drafter.calibrations[HEADS].factor < 0.2
+    assert drafter.heads_calibration.factor < 0.2
     assert drafter.heads_worth["r"].mean < 0.1
     calls = len(heads.calls)
     drafter.propose([ask("r", context + [1, 2, 3, 1, 2])])  # and now a weak suffix match beats them
@@ -124,12 +124,13 @@ def test_it_learns_from_the_committed_tokens() -> None:
 def test_accepted_suffix_guesses_raise_its_calibration() -> None:
     drafter = hybrid(None)
     context = [1, 2, 3, 4, 1, 2]
-    drafter.calibrations[SUFFIX].accepted = 0.1  # as if it had been wrong before
-    before = drafter.calibrations[SUFFIX].factor
+    short = drafter.suffix_calibrations[match_band(2)]
+    short.accepted = 0.1  # as if it had been wrong before
+    before = short.factor
     for _ in range(5):
         tree = drafter.propose([ask("r", context)])[0]
         context = context + tree.token_ids[1:3]  # the target takes two guesses each step
-    assert drafter.calibrations[SUFFIX].factor > before
+    assert short.factor > before
 
 
 def test_cut_suffix_guesses_are_judged_too_so_a_bad_start_does_not_stop_drafting() -> None:
@@ -138,23 +139,41 @@ def test_cut_suffix_guesses_are_judged_too_so_a_bad_start_does_not_stop_drafting
     cost = CostModel([1, 2, 4, 8], [0.010, 0.015, 0.025, 0.045])  # a verify row costs half a decode
     drafter = HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=6,
                                                             num_tree_nodes=6, suffix_min_prob=0.0)), None, cost)
-    drafter.calibrations[SUFFIX] = _Calibration(accepted=0.1, predicted=4.0)  # as if wrong at first
+    drafter.suffix_calibrations = [_Calibration(accepted=0.1, predicted=4.0)  # as if wrong at first
+                                   for _ in drafter.suffix_calibrations]
     text = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     context = text + [1, 2]
     assert drafter.propose([ask("r", context)])[0].num_drafts == 0  # every guess cut
     for token in text[2:]:  # the target copies the text, one plain decode step at a time
         context = context + [token]
         drafter.propose([ask("r", context)])
-    assert drafter.calibrations[SUFFIX].factor > 0.5
+    # the match grew from 2 to 9 tokens as the copy went on; it spent four steps in the band of 4-7
+    assert drafter.suffix_calibrations[match_band(4)].factor > 0.5
     assert drafter.propose([ask("r", context[:-5])])[0].num_drafts > 0
+
+
+def test_each_match_band_keeps_its_own_calibration() -> None:
+    """Wrong guesses after short matches (open text) do not cut the guesses that continue
+    a long match (text being copied), and the other way round."""
+    assert [match_band(n) for n in (2, 3, 4, 7, 8, 30)] == [0, 1, 2, 2, 3, 3]
+    assert len(MATCH_BANDS) == 3
+    cost = CostModel([1, 2, 4, 8], [0.010, 0.015, 0.025, 0.045])
+    drafter = HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=6,
+                                                            num_tree_nodes=6, suffix_min_prob=0.0)), None, cost)
+    drafter.suffix_calibrations[match_band(2)] = _Calibration(accepted=0.1, predicted=4.0)  # short ones failed
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert drafter.propose([ask("short", [*text, 20, 3, 4])])[0].num_drafts == 0  # a 2-token match: cut
+    long = drafter.propose([ask("long", [*text, 20, 1, 2, 3, 4, 5, 6, 7, 8])])[0]  # an 8-token match
+    assert long.token_ids[1:4] == [9, 10, 11]
 
 
 def test_a_cut_guess_deeper_than_the_known_tokens_is_not_judged_yet() -> None:
     drafter = hybrid(None)
-    drafter.offers["r"] = _Offer(2, [[((3, 4, 5), 1.0), ((3, 9, 9), 1.0), ((7, 8, 9), 1.0)], []])
-    before = _Calibration(drafter.calibrations[SUFFIX].accepted, drafter.calibrations[SUFFIX].predicted)
+    band = match_band(8)
+    drafter.offers["r"] = _Offer(2, [[((3, 4, 5), 1.0), ((3, 9, 9), 1.0), ((7, 8, 9), 1.0)], []], band)
+    before = _Calibration(drafter.suffix_calibrations[band].accepted, drafter.suffix_calibrations[band].predicted)
     drafter.propose([ask("r", [1, 2, 3, 3, 4])])  # two tokens known after the root: 3, 4
-    after = drafter.calibrations[SUFFIX]
+    after = drafter.suffix_calibrations[band]
     # (3, 4, 5) is undecided; (3, 9, 9) and (7, 8, 9) are already wrong
     assert after.predicted == pytest.approx(0.98 * before.predicted + 2.0)
     assert after.accepted == pytest.approx(0.98 * before.accepted)

@@ -31,7 +31,7 @@ def suffix_spec(**keys: Any) -> SpeculativeConfig:
 
 
 def ask(drafter: SuffixDrafter, request_id: str, token_ids: list[int], budget: int = 8, depth: int = 8) -> Any:
-    return drafter.draft(DraftRequest(request_id, token_ids, budget, depth, SamplingParams()))
+    return drafter.draft(DraftRequest(request_id, token_ids, budget, depth, SamplingParams())).scored
 
 
 def match_length(text: list[int], position: int, context: list[int], cap: int) -> int:
