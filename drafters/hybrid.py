@@ -44,17 +44,20 @@ HEADS_MARGIN = 0.05  # running the heads must promise 5% more tokens per second
 # were the fastest of their settings on open chat); suffix decoding drafts the long runs.
 HEADS_MAX_DEPTH = 5
 HEADS_MAX_NODES = 6
-# Lower bounds of the match-length bands above the first (a suffix match is at least two
-# tokens). Over evals/prompts' categories the target took 20% of the guesses that followed
-# a 2-token match, 33% after 3, ~60% after 4-7 and ~70% after 8 or more, while their
-# frequencies said ~0.5, 0.6, 0.9 and 1.0: one calibration for all let short matches in
-# open text cut the long ones of an edit loop, or long ones let short ones through.
-MATCH_BANDS = (3, 4, 8)
+# Suffix match-length bands, each (its least match length, its calibration at start). Over
+# evals/prompts' categories the target took 20% of the guesses that followed a 2-token
+# match, 33% after 3, ~60% after 4-7 and ~70% after 8 or more, while their frequencies
+# said ~0.5, 0.6, 0.9 and 1.0: one calibration for all let short matches in open text cut
+# the long ones of an edit loop, or long ones let short ones through. A band starts at
+# the factor measured there, weighing as much as BAND_PRIOR_GUESSES judged guesses.
+MATCH_BANDS = ((2, 0.4), (3, 0.55), (4, 0.7), (8, 0.7))
+BAND_PRIOR_GUESSES = 2.0
+_BAND_STARTS = tuple(start for start, _ in MATCH_BANDS[1:])
 
 
 def match_band(match_length: int) -> int:
     """The calibration band of a suffix draft's match length."""
-    return bisect_right(MATCH_BANDS, match_length)
+    return bisect_right(_BAND_STARTS, match_length)
 
 
 @dataclass
@@ -72,6 +75,10 @@ class _Calibration:
     def add(self, accepted: float, predicted: float, discount: float = DISCOUNT) -> None:
         self.accepted = discount * self.accepted + accepted
         self.predicted = discount * self.predicted + predicted
+
+
+def _band_priors() -> list[_Calibration]:
+    return [_Calibration(BAND_PRIOR_GUESSES * factor, BAND_PRIOR_GUESSES) for _, factor in MATCH_BANDS]
 
 
 @dataclass
@@ -104,8 +111,7 @@ class HybridDrafter(Drafter):
     suffix: SuffixDrafter
     heads: RecurrentDrafter | None
     cost: CostModel | None  # the target's forward cost; None: no time model (heads whenever they are worth more)
-    suffix_calibrations: list[_Calibration] = field(
-        default_factory=lambda: [_Calibration() for _ in range(len(MATCH_BANDS) + 1)])  # per match band
+    suffix_calibrations: list[_Calibration] = field(default_factory=_band_priors)  # per match band
     heads_calibration: _Calibration = field(default_factory=_Calibration)
     heads_total: _HeadsWorth = field(default_factory=lambda: _HeadsWorth(1.0, 1.0))
     heads_worth: dict[str, _HeadsWorth] = field(default_factory=dict)

@@ -19,6 +19,10 @@ worth its request's mean accepted length.
 A request left at k = 0 gets a one-token probe every `PROBE_EVERY` steps per request in
 the batch (a probe costs a verify row, which is dearer when more requests share a step)
 so that its acceptance estimate can recover.
+
+`DrafterPricing` is the policy for a drafter that prices its own guesses with the same
+cost model each step (hybrid drafting): it grants every request its limit and only learns
+the cost line.
 """
 from __future__ import annotations
 
@@ -220,9 +224,34 @@ class _Increment:
     drafts: int  # the request's draft tokens once it is taken
 
 
-class AdaptiveSpeculation(SpeculationPolicy):
-    def __init__(self, cost: CostModel, whole_drafts: bool) -> None:
+class CostLearning(SpeculationPolicy):
+    """A policy that learns the target's forward cost from the steps it sees."""
+
+    def __init__(self, cost: CostModel) -> None:
         self.cost = cost
+
+    def observe_step(self, report: StepReport) -> None:
+        # Only decode and verify steps: a prefill token costs differently from a draft row,
+        # and the line is what one more draft row costs.
+        if report.decode_only:
+            self.cost.observe_forward(report.num_query_tokens, report.forward_seconds)
+        self.cost.observe_draft(report.max_draft_depth, report.draft_seconds)
+
+
+class DrafterPricing(CostLearning):
+    """Grants every request its limit: the drafter cuts each guess worth less than its
+    verify row by this cost model, per step and per node. A second gate on the request's
+    past acceptance would shut out the steps the drafter knows are good (a long suffix
+    match in an edit loop after a stretch of open text), and its probes would verify
+    guesses the drafter knows are bad."""
+
+    def grant(self, limits: list[DraftLimit], base_tokens: int, base_commits: int) -> list[int]:
+        return [limit.num_draft_tokens for limit in limits]
+
+
+class AdaptiveSpeculation(CostLearning):
+    def __init__(self, cost: CostModel, whole_drafts: bool) -> None:
+        super().__init__(cost)
         # The drafter branches (trees): a draft is worth its measured mean accepted
         # length only whole, so it is granted all or nothing.
         self.whole_drafts = whole_drafts
@@ -277,13 +306,6 @@ class AdaptiveSpeculation(SpeculationPolicy):
             return 0
         counts.idle_steps = 0
         return limit.num_draft_tokens if self.whole_drafts else 1
-
-    def observe_step(self, report: StepReport) -> None:
-        # Only decode and verify steps: a prefill token costs differently from a draft row,
-        # and the line is what one more draft row costs.
-        if report.decode_only:
-            self.cost.observe_forward(report.num_query_tokens, report.forward_seconds)
-        self.cost.observe_draft(report.max_draft_depth, report.draft_seconds)
 
     def observe_verify(self, request_id: str, num_drafted: int, num_accepted: int, num_nodes: int) -> None:
         self.stats.observe(request_id, num_drafted, num_accepted, num_nodes)

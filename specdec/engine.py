@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from specdec.adaptive import AdaptiveSpeculation, Stopwatch, calibrate
+from specdec.adaptive import AdaptiveSpeculation, CostLearning, DrafterPricing, Stopwatch, calibrate
 from specdec.allocator import keep_freed_memory
 from specdec.block_manager import BlockManager
 from specdec.chat_utils import apply_template_override
@@ -73,7 +73,7 @@ class LLMEngine:
             dtype=self.config.dtype, linear_backend=self.config.linear_backend, max_model_len=self.max_model_len,
             allocate_kv=self._allocate_draft_kv, num_kv_blocks=self.block_manager.num_blocks,
             max_num_seqs=self.config.max_num_seqs,
-            cost=self.policy.cost if isinstance(self.policy, AdaptiveSpeculation) else None)
+            cost=self.policy.cost if isinstance(self.policy, CostLearning) else None)
 
     def _allocate_draft_kv(self, model: LlamaForCausalLM, num_blocks: int) -> tuple[ModelRunner, BlockManager]:
         """A runner over a fresh paged KV cache for a draft model (KV in its activation dtype)."""
@@ -298,11 +298,14 @@ def _forced_draft(item: ScheduledRequest) -> DraftTree:
     return DraftTree.chain([item.root_token, *forced]).prune(item.num_draft_tokens, item.max_depth)
 
 
-def _build_adaptive(engine: LLMEngine) -> AdaptiveSpeculation:
+def _build_adaptive(engine: LLMEngine) -> CostLearning:
     """Calibrate the target's forward cost now, while the KV pool is still empty."""
     cost = calibrate(engine.model, engine.runner.kv_cache.layers, engine.config.block_size)
     spec = engine.config.speculative_config
-    return AdaptiveSpeculation(cost, whole_drafts=bool(spec and spec.num_tree_nodes))
+    assert spec is not None
+    if spec.drafter_prices_guesses:
+        return DrafterPricing(cost)
+    return AdaptiveSpeculation(cost, whole_drafts=bool(spec.num_tree_nodes))
 
 
 def _step_report(batch: list[ScheduledRequest], trees: list[DraftTree], draft_seconds: float,

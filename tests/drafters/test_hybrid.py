@@ -156,7 +156,7 @@ def test_each_match_band_keeps_its_own_calibration() -> None:
     """Wrong guesses after short matches (open text) do not cut the guesses that continue
     a long match (text being copied), and the other way round."""
     assert [match_band(n) for n in (2, 3, 4, 7, 8, 30)] == [0, 1, 2, 2, 3, 3]
-    assert len(MATCH_BANDS) == 3
+    assert len(MATCH_BANDS) == 4
     cost = CostModel([1, 2, 4, 8], [0.010, 0.015, 0.025, 0.045])
     drafter = HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=6,
                                                             num_tree_nodes=6, suffix_min_prob=0.0)), None, cost)

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from specdec import LLM
-from specdec.adaptive import PROBE_EVERY, AdaptiveSpeculation, CostModel
-from specdec.speculation import DraftLimit
+from specdec.adaptive import PROBE_EVERY, AdaptiveSpeculation, CostModel, DrafterPricing
+from specdec.speculation import StepReport
+from specdec.speculation import DraftLimit, SpeculationPolicy
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
 
 
@@ -38,7 +39,7 @@ def limit(request_id: str, depth: int, nodes: int = 0) -> DraftLimit:
     return DraftLimit(request, nodes or depth, depth)
 
 
-def grant(planner: AdaptiveSpeculation, limits: list[DraftLimit], base_tokens: int | None = None) -> list[int]:
+def grant(planner: SpeculationPolicy, limits: list[DraftLimit], base_tokens: int | None = None) -> list[int]:
     """The planner's grants for a step of decoding requests (one known token each)."""
     count = len(limits)
     return planner.grant(limits, count if base_tokens is None else base_tokens, count)
@@ -146,3 +147,20 @@ def test_probes_are_rarer_in_bigger_batches() -> None:
     for _ in range(4 * PROBE_EVERY):
         probes += sum(grant(planner, [limit(f"r{i}", 4) for i in range(4)]))
     assert probes == 4  # each of the 4 requests once in 4 * PROBE_EVERY steps
+
+
+def test_a_drafter_that_prices_its_guesses_gets_every_limit_and_the_cost_is_learnt() -> None:
+    policy = DrafterPricing(linear_cost())  # no draft would pay by the request-level plan
+    assert grant(policy, [limit("a", 4, 8), limit("b", 2)]) == [8, 2]
+    before = policy.cost.forward_time(1)
+    for _ in range(20):
+        policy.observe_step(StepReport(num_query_tokens=1, decode_only=True, max_draft_depth=0,
+                                       draft_seconds=0.0, forward_seconds=0.05))
+    assert policy.cost.forward_time(1) > 2 * before  # the measured steps move the line
+
+
+def test_adaptive_hybrid_drafting_prices_its_own_guesses(tiny_model_dir: Any) -> None:
+    spec = LLM(str(tiny_model_dir), max_model_len=256,
+               speculative_config={"method": "hybrid", "num_speculative_tokens": 4, "adaptive": True})
+    assert isinstance(spec.engine.policy, DrafterPricing)
+    assert spec.engine.drafter.cost is spec.engine.policy.cost  # type: ignore[union-attr]
