@@ -39,25 +39,36 @@ SUFFIX, HEADS = 0, 1
 DISCOUNT = 0.98  # per verify: the calibrations follow about the last 50
 REQUEST_DISCOUNT = 0.8
 HEADS_MARGIN = 0.05  # running the heads must promise 5% more tokens per second
+# A node must promise 10% more than its verify row costs: the cost line holds only the
+# forward, not a drafted step's verify and bookkeeping, and a wrong "yes" costs a row
+# while a wrong "no" costs nothing (without it the unbiased calibration drafted twice as
+# often for no more speed).
+NODE_MARGIN = 0.1
 # The heads' trees stay small: each depth costs a heads step and an LM-head product per
 # expanded node, and their guesses beyond a few tokens are rarely right (their 6-node trees
 # were the fastest of their settings on open chat); suffix decoding drafts the long runs.
 HEADS_MAX_DEPTH = 5
 HEADS_MAX_NODES = 6
-# Suffix match-length bands, each (its least match length, its calibration at start). Over
-# evals/prompts' categories the target took 20% of the guesses that followed a 2-token
-# match, 33% after 3, ~60% after 4-7 and ~70% after 8 or more, while their frequencies
-# said ~0.5, 0.6, 0.9 and 1.0: one calibration for all let short matches in open text cut
-# the long ones of an edit loop, or long ones let short ones through. A band starts at
-# the factor measured there, weighing as much as BAND_PRIOR_GUESSES judged guesses.
-MATCH_BANDS = ((2, 0.4), (3, 0.55), (4, 0.7), (8, 0.7))
-BAND_PRIOR_GUESSES = 2.0
-_BAND_STARTS = tuple(start for start, _ in MATCH_BANDS[1:])
+# Suffix guesses are calibrated per cell: the band of the match length they continue
+# (2, 3, 4-7 or 8+ tokens) and their depth (1, 2, 3+). Over evals/prompts' categories the
+# target took 45% of the first guesses after a 2-token match that occurred once, 60% after
+# 3, 70% after 4-7 and 90% after 8+, but of the second ones 0%, 6%, 10% and 66%, while
+# their frequencies said 1.0 for all: one calibration let short matches in open text cut
+# an edit loop's long ones, and a band's deep guesses ride on its first ones. A cell
+# starts at the factor measured there (CELL_PRIORS[band][depth]), weighing as much as
+# PRIOR_GUESSES judged guesses.
+MATCH_BAND_STARTS = (3, 4, 8)  # least match length of each band after the first (2 tokens)
+CELL_PRIORS = ((0.45, 0.03, 0.02), (0.55, 0.06, 0.03), (0.7, 0.1, 0.03), (0.9, 0.66, 0.5))
+PRIOR_GUESSES = 2.0
 
 
 def match_band(match_length: int) -> int:
     """The calibration band of a suffix draft's match length."""
-    return bisect_right(_BAND_STARTS, match_length)
+    return bisect_right(MATCH_BAND_STARTS, match_length)
+
+
+def depth_cell(depth: int) -> int:
+    return min(depth, len(CELL_PRIORS[0])) - 1
 
 
 @dataclass
@@ -77,8 +88,14 @@ class _Calibration:
         self.predicted = discount * self.predicted + predicted
 
 
-def _band_priors() -> list[_Calibration]:
-    return [_Calibration(BAND_PRIOR_GUESSES * factor, BAND_PRIOR_GUESSES) for _, factor in MATCH_BANDS]
+def _cell_priors() -> list[list[_Calibration]]:
+    return [[_Calibration(PRIOR_GUESSES * factor, PRIOR_GUESSES) for factor in band] for band in CELL_PRIORS]
+
+
+@dataclass(frozen=True)
+class _Guess:
+    path: tuple[int, ...]  # its tokens after the root
+    chance: float
 
 
 @dataclass
@@ -86,7 +103,7 @@ class _Offer:
     """What a request was offered at its last step, to score once its tokens are known."""
 
     root_position: int  # index of the root in the request's token ids
-    paths: list[list[tuple[tuple[int, ...], float]]]  # per source: (path of tokens, its chance) of each guess
+    paths: list[list[_Guess]]  # per source
     band: int  # the suffix draft's match band
 
 
@@ -111,18 +128,18 @@ class HybridDrafter(Drafter):
     suffix: SuffixDrafter
     heads: RecurrentDrafter | None
     cost: CostModel | None  # the target's forward cost; None: no time model (heads whenever they are worth more)
-    suffix_calibrations: list[_Calibration] = field(default_factory=_band_priors)  # per match band
+    suffix_calibrations: list[list[_Calibration]] = field(default_factory=_cell_priors)  # [band][depth cell]
     heads_calibration: _Calibration = field(default_factory=_Calibration)
     heads_total: _HeadsWorth = field(default_factory=lambda: _HeadsWorth(1.0, 1.0))
     heads_worth: dict[str, _HeadsWorth] = field(default_factory=dict)
     heads_seconds: LineFit = field(default_factory=LineFit)  # heads drafting time against requests drafted
-    offers: dict[str, _Offer] = field(default_factory=dict)
+    offers: dict[str, list[_Offer]] = field(default_factory=dict)  # per request, those with guesses undecided
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         for request in requests:
-            self._score_offer(request)
+            self._score_offers(request)
         found = [self.suffix.draft(r) for r in requests]
-        suffix = [(d.scored, self._suffix_factor(d)) for d in found]
+        suffix = [(self._calibrated(d), 1.0) for d in found]
         chosen = self._choose_heads(requests, suffix)
         heads = self._run_heads([requests[i] for i in chosen])
         min_chance = self._min_chance(requests, suffix)
@@ -130,7 +147,8 @@ class HybridDrafter(Drafter):
         for i, request in enumerate(requests):
             drafts = [suffix[i]] + ([(heads[chosen.index(i)], self.heads_calibration.factor)] if i in chosen else [])
             merged = merge_drafts(request.token_ids[-1], drafts, request.num_draft_tokens, min_chance)
-            self._remember(request, merged.tree, [d for d, _ in drafts], match_band(found[i].match_length))
+            raw = [found[i].scored] + ([heads[chosen.index(i)]] if i in chosen else [])
+            self._remember(request, merged.tree, raw, match_band(found[i].match_length))
             trees.append(merged.tree)
         return trees
 
@@ -144,8 +162,16 @@ class HybridDrafter(Drafter):
 
     # ---- choosing ---------------------------------------------------------------------
 
-    def _suffix_factor(self, draft: SuffixDraft) -> float:
-        return self.suffix_calibrations[match_band(draft.match_length)].factor
+    def _calibrated(self, draft: SuffixDraft) -> ScoredDraft:
+        """The suffix draft with each node's chance times its cell's calibration, at most
+        its parent's (a path is never likelier than its prefix)."""
+        cells = self.suffix_calibrations[match_band(draft.match_length)]
+        tree = draft.scored.tree
+        chances = [1.0]
+        for i in range(1, tree.num_nodes):  # parents come before their children
+            factor = cells[depth_cell(tree.depths[i])].factor
+            chances.append(min(chances[tree.parents[i]], draft.scored.probs[i] * factor))
+        return ScoredDraft(tree, chances)
 
     def _choose_heads(self, requests: list[DraftRequest], suffix: list[tuple[ScoredDraft, float]]) -> list[int]:
         """Indices of the requests whose heads draft is worth running this step (suffix:
@@ -176,12 +202,12 @@ class HybridDrafter(Drafter):
 
     def _min_chance(self, requests: list[DraftRequest], suffix: list[tuple[ScoredDraft, float]]) -> float:
         """The least chance a node must have to be worth its verify row: a row costs the
-        forward's slope in seconds, and the step earns commits / seconds."""
+        forward's slope in seconds, and the step earns commits / seconds (plus the margin)."""
         if self.cost is None:
             return 0.0
         commits = len(requests) + sum(_expected(*d) for d in suffix)
         rows = len(requests) + sum(d.tree.num_drafts for d, _ in suffix)
-        return self.cost.slope() * commits / self.cost.forward_time(rows)
+        return (1 + NODE_MARGIN) * self.cost.slope() * commits / self.cost.forward_time(rows)
 
     def _run_heads(self, requests: list[DraftRequest]) -> list[ScoredDraft]:
         if not requests or self.heads is None:
@@ -208,33 +234,54 @@ class HybridDrafter(Drafter):
         judged by the tokens the target commits all the same, so that a bad start cannot
         cut all later suffix guesses for good (nothing verified, nothing learnt)."""
         kept = {tuple(tree.token_ids[n] for n in tree.path_to(i)[1:]) for i in range(1, tree.num_nodes)}
-        paths: list[list[tuple[tuple[int, ...], float]]] = [[], []]
+        paths: list[list[_Guess]] = [[], []]
         for source, draft in enumerate(drafts):
             for i in range(1, draft.tree.num_nodes):
                 path = tuple(draft.tree.token_ids[n] for n in draft.tree.path_to(i)[1:])
                 if source == SUFFIX or path in kept:
-                    paths[source].append((path, draft.probs[i]))
-        self.offers[request.request_id] = _Offer(len(request.token_ids) - 1, paths, band)
+                    paths[source].append(_Guess(path, draft.probs[i]))
+        self.offers.setdefault(request.request_id, []).append(_Offer(len(request.token_ids) - 1, paths, band))
 
-    def _score_offer(self, request: DraftRequest) -> None:
-        """Learn from the request's last offer, now that the tokens after its root are known."""
-        offer = self.offers.pop(request.request_id, None)
-        if offer is None or len(request.token_ids) <= offer.root_position + 1:
-            return
-        committed = tuple(request.token_ids[offer.root_position + 1:])
-        for source, offered in enumerate(offer.paths):
-            # A cut guess deeper than the tokens known so far is not judged unless it already
-            # differs from them (a verified one always is: its verify commits past it).
-            paths = [(path, chance) for path, chance in offered
-                     if len(path) <= len(committed) or path[: len(committed)] != committed]
-            if not paths:
-                continue
-            accepted = sum(1 for path, _ in paths if committed[: len(path)] == path)
-            calibration = self.suffix_calibrations[offer.band] if source == SUFFIX else self.heads_calibration
-            calibration.add(accepted, sum(chance for _, chance in paths))
-            if source == HEADS:
+    def _score_offers(self, request: DraftRequest) -> None:
+        """Learn from the guesses the request's tokens now decide; keep the undecided ones.
+        A cut guess deeper than the tokens committed since its step waits for more of
+        them: judging it only when it already differs would count its failures and miss
+        its successes (a verified guess is always decided: its verify commits past it)."""
+        pending = []
+        for offer in self.offers.pop(request.request_id, []):
+            committed = tuple(request.token_ids[offer.root_position + 1:])
+            (suffix, heads), undecided = _decide(offer.paths, committed)
+            for cell, calibration in enumerate(self.suffix_calibrations[offer.band]):
+                _learn(calibration, [g for g in suffix if depth_cell(len(g.path)) == cell], committed)
+            if heads:
+                accepted = _learn(self.heads_calibration, heads, committed)
                 self._heads_worth(request.request_id).add(accepted, REQUEST_DISCOUNT)
                 self.heads_total.add(accepted, DISCOUNT)
+            if any(undecided):
+                pending.append(replace(offer, paths=undecided))
+        if pending:
+            self.offers[request.request_id] = pending
+
+
+def _decide(paths: list[list[_Guess]], committed: tuple[int, ...]) -> tuple[list[list[_Guess]], list[list[_Guess]]]:
+    """Per source, the guesses the committed tokens decide (inside them, or already
+    differing from them) and the ones they do not yet."""
+    decided: list[list[_Guess]] = [[] for _ in paths]
+    undecided: list[list[_Guess]] = [[] for _ in paths]
+    for source, guesses in enumerate(paths):
+        for g in guesses:
+            known = len(g.path) <= len(committed) or g.path[: len(committed)] != committed
+            (decided if known else undecided)[source].append(g)
+    return decided, undecided
+
+
+def _learn(calibration: _Calibration, guesses: list[_Guess], committed: tuple[int, ...]) -> int:
+    """Add the guesses' outcome to the calibration; the number accepted."""
+    if not guesses:
+        return 0
+    accepted = sum(1 for g in guesses if committed[: len(g.path)] == g.path)
+    calibration.add(accepted, sum(g.chance for g in guesses))
+    return accepted
 
 
 def _expected(draft: ScoredDraft, factor: float) -> float:

@@ -11,7 +11,7 @@ from specdec import LLM, SamplingParams
 from specdec.adaptive import CostModel
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DraftRequest
-from specdec.drafters.hybrid import MATCH_BANDS, HybridDrafter, _Calibration, _Offer, match_band
+from specdec.drafters.hybrid import MATCH_BAND_STARTS, HybridDrafter, _Calibration, _Guess, _Offer, match_band
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.tree import DraftTree, ScoredDraft, merge_drafts
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
@@ -99,10 +99,11 @@ def test_without_heads_it_drafts_what_suffix_decoding_drafts() -> None:
 def test_heads_run_where_suffix_decoding_finds_nothing_and_are_merged_in() -> None:
     heads = FakeHeads([50, 51, 52])
     drafter = hybrid(heads)
-    tree = drafter.propose([ask("open", [10, 11, 12]), ask("copy", [1, 2, 3, 4, 5, 1, 2, 3])])
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    tree = drafter.propose([ask("open", [10, 11, 12]), ask("copy", [*text, *text[:8]])])
     assert heads.calls == [["open"]]  # the copying request's suffix draft is worth more than the heads'
     assert tree[0].token_ids == [12, 50, 51, 52]
-    assert tree[1].token_ids[:4] == [3, 4, 5, 1]
+    assert tree[1].token_ids[:4] == [8, 9, 1, 2]
 
 
 def test_it_learns_from_the_committed_tokens() -> None:
@@ -124,7 +125,7 @@ def test_it_learns_from_the_committed_tokens() -> None:
 def test_accepted_suffix_guesses_raise_its_calibration() -> None:
     drafter = hybrid(None)
     context = [1, 2, 3, 4, 1, 2]
-    short = drafter.suffix_calibrations[match_band(2)]
+    short = drafter.suffix_calibrations[match_band(2)][0]  # first guesses after 2-token matches
     short.accepted = 0.1  # as if it had been wrong before
     before = short.factor
     for _ in range(5):
@@ -139,44 +140,51 @@ def test_cut_suffix_guesses_are_judged_too_so_a_bad_start_does_not_stop_drafting
     cost = CostModel([1, 2, 4, 8], [0.010, 0.015, 0.025, 0.045])  # a verify row costs half a decode
     drafter = HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=6,
                                                             num_tree_nodes=6, suffix_min_prob=0.0)), None, cost)
-    drafter.suffix_calibrations = [_Calibration(accepted=0.1, predicted=4.0)  # as if wrong at first
-                                   for _ in drafter.suffix_calibrations]
-    text = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    drafter.suffix_calibrations = [[_Calibration(accepted=0.1, predicted=4.0) for _ in band]  # as if wrong at first
+                                   for band in drafter.suffix_calibrations]
+    text = list(range(1, 16))
     context = text + [1, 2]
     assert drafter.propose([ask("r", context)])[0].num_drafts == 0  # every guess cut
     for token in text[2:]:  # the target copies the text, one plain decode step at a time
         context = context + [token]
         drafter.propose([ask("r", context)])
-    # the match grew from 2 to 9 tokens as the copy went on; it spent four steps in the band of 4-7
-    assert drafter.suffix_calibrations[match_band(4)].factor > 0.5
-    assert drafter.propose([ask("r", context[:-5])])[0].num_drafts > 0
+    # the match grew from 2 to 15 tokens as the copy went on, eight steps of them 8 or longer
+    assert drafter.suffix_calibrations[match_band(8)][0].factor > 0.5
+    assert drafter.propose([ask("r", text + text[:12])])[0].num_drafts > 0
 
 
 def test_each_match_band_keeps_its_own_calibration() -> None:
     """Wrong guesses after short matches (open text) do not cut the guesses that continue
     a long match (text being copied), and the other way round."""
     assert [match_band(n) for n in (2, 3, 4, 7, 8, 30)] == [0, 1, 2, 2, 3, 3]
-    assert len(MATCH_BANDS) == 4
+    assert len(MATCH_BAND_STARTS) == 3
     cost = CostModel([1, 2, 4, 8], [0.010, 0.015, 0.025, 0.045])
     drafter = HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=6,
                                                             num_tree_nodes=6, suffix_min_prob=0.0)), None, cost)
-    drafter.suffix_calibrations[match_band(2)] = _Calibration(accepted=0.1, predicted=4.0)  # short ones failed
+    drafter.suffix_calibrations[match_band(2)][0] = _Calibration(accepted=0.1, predicted=4.0)  # short ones failed
     text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
     assert drafter.propose([ask("short", [*text, 20, 3, 4])])[0].num_drafts == 0  # a 2-token match: cut
     long = drafter.propose([ask("long", [*text, 20, 1, 2, 3, 4, 5, 6, 7, 8])])[0]  # an 8-token match
-    assert long.token_ids[1:4] == [9, 10, 11]
+    assert long.token_ids[1:3] == [9, 10]
 
 
 def test_a_cut_guess_deeper_than_the_known_tokens_is_not_judged_yet() -> None:
     drafter = hybrid(None)
     band = match_band(8)
-    drafter.offers["r"] = _Offer(2, [[((3, 4, 5), 1.0), ((3, 9, 9), 1.0), ((7, 8, 9), 1.0)], []], band)
-    before = _Calibration(drafter.suffix_calibrations[band].accepted, drafter.suffix_calibrations[band].predicted)
+    guesses = [_Guess((3,), 0.9), _Guess((3, 4, 5), 1.0), _Guess((3, 9, 9), 1.0), _Guess((7, 8, 9), 0.5)]
+    drafter.offers["r"] = [_Offer(2, [guesses, []], band)]
+    before = [_Calibration(c.accepted, c.predicted) for c in drafter.suffix_calibrations[band]]
     drafter.propose([ask("r", [1, 2, 3, 3, 4])])  # two tokens known after the root: 3, 4
-    after = drafter.suffix_calibrations[band]
-    # (3, 4, 5) is undecided; (3, 9, 9) and (7, 8, 9) are already wrong
-    assert after.predicted == pytest.approx(0.98 * before.predicted + 2.0)
-    assert after.accepted == pytest.approx(0.98 * before.accepted)
+    first, second, deeper = drafter.suffix_calibrations[band]
+    # decided: (3,) right, (3, 9, 9) and (7, 8, 9) wrong; (3, 4, 5) waits for its third token
+    assert (first.accepted, first.predicted) == pytest.approx((0.98 * before[0].accepted + 1,
+                                                               0.98 * before[0].predicted + 0.9))
+    assert (second.accepted, second.predicted) == (before[1].accepted, before[1].predicted)
+    assert (deeper.accepted, deeper.predicted) == pytest.approx((0.98 * before[2].accepted,
+                                                                 0.98 * before[2].predicted + 1.5))
+    waiting = deeper.accepted, deeper.predicted
+    drafter.propose([ask("r", [1, 2, 3, 3, 4, 5])])  # and now it is right
+    assert (deeper.accepted, deeper.predicted) == pytest.approx((0.98 * waiting[0] + 1, 0.98 * waiting[1] + 1.0))
 
 
 def test_the_cost_model_keeps_heads_off_when_their_time_outweighs_their_worth() -> None:
