@@ -139,13 +139,14 @@ class HybridDrafter(Drafter):
         for request in requests:
             self._score_offers(request)
         found = [self.suffix.draft(r) for r in requests]
-        suffix = [(self._calibrated(d), 1.0) for d in found]
+        suffix = [self._calibrated(d) for d in found]
         chosen = self._choose_heads(requests, suffix)
         heads = self._run_heads([requests[i] for i in chosen])
         min_chance = self._min_chance(requests, suffix)
         trees = []
         for i, request in enumerate(requests):
-            drafts = [suffix[i]] + ([(heads[chosen.index(i)], self.heads_calibration.factor)] if i in chosen else [])
+            drafts = [(suffix[i], 1.0)] + ([(heads[chosen.index(i)], self.heads_calibration.factor)]
+                                           if i in chosen else [])
             merged = merge_drafts(request.token_ids[-1], drafts, request.num_draft_tokens, min_chance)
             raw = [found[i].scored] + ([heads[chosen.index(i)]] if i in chosen else [])
             self._remember(request, merged.tree, raw, match_band(found[i].match_length))
@@ -173,22 +174,22 @@ class HybridDrafter(Drafter):
             chances.append(min(chances[tree.parents[i]], draft.scored.probs[i] * factor))
         return ScoredDraft(tree, chances)
 
-    def _choose_heads(self, requests: list[DraftRequest], suffix: list[tuple[ScoredDraft, float]]) -> list[int]:
+    def _choose_heads(self, requests: list[DraftRequest], suffix: list[ScoredDraft]) -> list[int]:
         """Indices of the requests whose heads draft is worth running this step (suffix:
-        each request's suffix draft and its calibration factor)."""
+        each request's calibrated suffix draft)."""
         if self.heads is None:
             return []
-        gains = {i: self._heads_worth(r.request_id).mean - _expected(*suffix[i])
+        gains = {i: self._heads_worth(r.request_id).mean - _expected(suffix[i])
                  for i, r in enumerate(requests) if r.hidden is not None}
         order = sorted((i for i, gain in gains.items() if gain > 0), key=lambda i: -gains[i])
         if self.cost is None or not order:
             return order
-        commits = len(requests) + sum(_expected(*d) for d in suffix)
-        rows = len(requests) + sum(d.tree.num_drafts for d, _ in suffix)
+        commits = len(requests) + sum(_expected(d) for d in suffix)
+        rows = len(requests) + sum(d.tree.num_drafts for d in suffix)
         best, best_rate = 0, (1 + HEADS_MARGIN) * commits / self.cost.forward_time(rows)
         for m, i in enumerate(order, start=1):
             commits += gains[i]
-            rows += max(min(requests[i].num_draft_tokens, HEADS_MAX_NODES) - suffix[i][0].tree.num_drafts, 0)
+            rows += max(min(requests[i].num_draft_tokens, HEADS_MAX_NODES) - suffix[i].tree.num_drafts, 0)
             rate = commits / (self.cost.forward_time(rows) + self._heads_time(m))
             if rate > best_rate:
                 best, best_rate = m, rate
@@ -200,13 +201,13 @@ class HybridDrafter(Drafter):
         intercept, slope = self.heads_seconds.line(LineFit())
         return max(intercept + slope * num_requests, 0.0)
 
-    def _min_chance(self, requests: list[DraftRequest], suffix: list[tuple[ScoredDraft, float]]) -> float:
+    def _min_chance(self, requests: list[DraftRequest], suffix: list[ScoredDraft]) -> float:
         """The least chance a node must have to be worth its verify row: a row costs the
         forward's slope in seconds, and the step earns commits / seconds (plus the margin)."""
         if self.cost is None:
             return 0.0
-        commits = len(requests) + sum(_expected(*d) for d in suffix)
-        rows = len(requests) + sum(d.tree.num_drafts for d, _ in suffix)
+        commits = len(requests) + sum(_expected(d) for d in suffix)
+        rows = len(requests) + sum(d.tree.num_drafts for d in suffix)
         return (1 + NODE_MARGIN) * self.cost.slope() * commits / self.cost.forward_time(rows)
 
     def _run_heads(self, requests: list[DraftRequest]) -> list[ScoredDraft]:
@@ -284,6 +285,6 @@ def _learn(calibration: _Calibration, guesses: list[_Guess], committed: tuple[in
     return accepted
 
 
-def _expected(draft: ScoredDraft, factor: float) -> float:
-    """Accepted tokens the draft promises, calibrated by factor."""
-    return factor * sum(draft.probs[1:])
+def _expected(draft: ScoredDraft) -> float:
+    """Accepted tokens the (calibrated) draft promises."""
+    return sum(draft.probs[1:])
