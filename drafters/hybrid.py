@@ -8,14 +8,14 @@ small forwards a step but guess open text, where suffix decoding finds nothing.
 
 Each step the suffix draft is made first. Its node chances (empirical probabilities),
 times a calibration measured from what the target accepted, give its expected accepted
-tokens. Suffix guesses are calibrated per band of match length: a guess that continues a
-long match (text being copied) is right far more often than one after a two-token match
-of the same frequency. The heads run only for the requests where their own measured
-acceptance beats that by enough to pay for their time and for the extra verify rows,
-judged by expected committed tokens per second with the target's forward cost
-(adaptive.py's CostModel, when the config is adaptive). The drafts are then merged
-(specdec.tree.merge_drafts) by calibrated chance, and nodes worth less than the verify row
-they cost are cut.
+tokens. Suffix guesses are calibrated per band of match length and per depth: a guess that
+continues a long match (text being copied) is right far more often than one after a
+two-token match of the same frequency, and a first guess more often than a third. The
+heads run only for the requests where their own measured acceptance beats that by enough
+to pay for their time and for the extra verify rows, judged by expected committed tokens
+per second with the target's forward cost (adaptive.py's CostModel, when the config is
+adaptive). The drafts are then merged (specdec.tree.merge_drafts) by calibrated chance,
+and nodes worth less than the verify row they cost are cut.
 
 Every guess is deterministic (verified one-hot), so the merged tree is verified exactly as
 either drafter's tree would be: lossless for greedy and sampled requests alike.
@@ -68,6 +68,7 @@ def match_band(match_length: int) -> int:
 
 
 def depth_cell(depth: int) -> int:
+    """The calibration cell of a guess's depth (1, 2, 3+)."""
     return min(depth, len(CELL_PRIORS[0])) - 1
 
 
@@ -100,7 +101,7 @@ class _Guess:
 
 @dataclass
 class _Offer:
-    """What a request was offered at its last step, to score once its tokens are known."""
+    """What a request was offered at one step, kept until its tokens decide every guess."""
 
     root_position: int  # index of the root in the request's token ids
     paths: list[list[_Guess]]  # per source

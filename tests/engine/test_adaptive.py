@@ -9,8 +9,7 @@ import pytest
 
 from specdec import LLM
 from specdec.adaptive import PROBE_EVERY, AdaptiveSpeculation, CostModel, DrafterPricing
-from specdec.speculation import StepReport
-from specdec.speculation import DraftLimit, SpeculationPolicy
+from specdec.speculation import DraftLimit, SpeculationPolicy, StepReport
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
 
 
