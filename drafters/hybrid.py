@@ -25,6 +25,7 @@ Drafter contract's reconciliation), so the drafter needs no hook in the engine.
 """
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
@@ -39,10 +40,10 @@ SUFFIX, HEADS = 0, 1
 DISCOUNT = 0.98  # per verify: the calibrations follow about the last 50
 REQUEST_DISCOUNT = 0.8
 HEADS_MARGIN = 0.05  # running the heads must promise 5% more tokens per second
-# A node must promise 10% more than its verify row costs: the cost line holds only the
-# forward, not a drafted step's verify and bookkeeping, and a wrong "yes" costs a row
-# while a wrong "no" costs nothing (without it the unbiased calibration drafted twice as
-# often for no more speed).
+# A node's chance counts 10% less when choosing how many to verify: the cost line holds
+# only the forward, not a drafted step's verify and bookkeeping, and a wrong "yes" costs a
+# row while a wrong "no" costs nothing (without it the unbiased calibration drafted twice
+# as often for no more speed).
 NODE_MARGIN = 0.1
 # The heads' trees stay small: each depth costs a heads step and an LM-head product per
 # expanded node, and their guesses beyond a few tokens are rarely right (their 6-node trees
@@ -50,15 +51,16 @@ NODE_MARGIN = 0.1
 HEADS_MAX_DEPTH = 5
 HEADS_MAX_NODES = 6
 # Suffix guesses are calibrated per cell: the band of the match length they continue
-# (2, 3, 4-7 or 8+ tokens) and their depth (1, 2, 3+). Over evals/prompts' categories,
-# each guess judged once the committed tokens decided it, the target took of the guesses
-# whose continuation occurred once (frequency 1.0): 41% / 26% (depth 1 / 2) after a
-# 2-token match, 64 / 50 / 31% after 3, 73 / 58 / 39% after 4-7 and 92 / 87 / 66% after
-# 8+. One calibration for all let short matches in open text cut an edit loop's long
-# ones, and a band's deep guesses ride on its first ones. A cell starts at the factor
-# measured there (CELL_PRIORS[band][depth]), weighing as much as PRIOR_GUESSES guesses.
-MATCH_BAND_STARTS = (3, 4, 8)  # least match length of each band after the first (2 tokens)
-CELL_PRIORS = ((0.45, 0.3, 0.2), (0.6, 0.5, 0.3), (0.7, 0.55, 0.4), (0.9, 0.85, 0.65))
+# (2, 3, 4-7, 8-15 or 16+ tokens) and their depth (1, 2, 3+), each given that its parent
+# was accepted. Over evals/prompts' categories, each guess judged once the committed tokens
+# decided it, the target took this share of what the suffix frequencies promised
+# (depth 1 / 2 / 3+): 45 / 57% after a 2-token match, 60 / 68 / 63% after 3, 69 / 76 /
+# 86% after 4-7, 76 / 92 / 94% after 8-15 and 100 / 92 / 97% after 16+: a copy that has
+# begun goes on. One calibration for all let short matches in open text cut an edit
+# loop's long ones. A cell starts at the factor measured there (CELL_PRIORS[band][depth]),
+# weighing as much as PRIOR_GUESSES guesses.
+MATCH_BAND_STARTS = (3, 4, 8, 16)  # least match length of each band after the first (2 tokens)
+CELL_PRIORS = ((0.45, 0.57, 0.57), (0.6, 0.68, 0.63), (0.69, 0.76, 0.86), (0.76, 0.92, 0.94), (0.95, 0.92, 0.97))
 PRIOR_GUESSES = 2.0
 
 
@@ -96,7 +98,7 @@ def _cell_priors() -> list[list[_Calibration]]:
 @dataclass(frozen=True)
 class _Guess:
     path: tuple[int, ...]  # its tokens after the root
-    chance: float
+    chance: float  # a suffix guess's given its parent's path is accepted; a heads guess's for its path
 
 
 @dataclass
@@ -106,6 +108,16 @@ class _Offer:
     root_position: int  # index of the root in the request's token ids
     paths: list[list[_Guess]]  # per source
     band: int  # the suffix draft's match band
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """The nodes a step verifies: those of at least min_chance, worth `commits` tokens
+    with the requests' own (NODE_MARGIN off each node), over `rows` query tokens."""
+
+    min_chance: float
+    commits: float
+    rows: int
 
 
 @dataclass
@@ -141,14 +153,14 @@ class HybridDrafter(Drafter):
             self._score_offers(request)
         found = [self.suffix.draft(r) for r in requests]
         suffix = [self._calibrated(d) for d in found]
-        chosen = self._choose_heads(requests, suffix)
+        cut = self._cut(len(requests), suffix)
+        chosen = self._choose_heads(requests, suffix, cut)
         heads = self._run_heads([requests[i] for i in chosen])
-        min_chance = self._min_chance(requests, suffix)
         trees = []
         for i, request in enumerate(requests):
             drafts = [(suffix[i], 1.0)] + ([(heads[chosen.index(i)], self.heads_calibration.factor)]
                                            if i in chosen else [])
-            merged = merge_drafts(request.token_ids[-1], drafts, request.num_draft_tokens, min_chance)
+            merged = merge_drafts(request.token_ids[-1], drafts, request.num_draft_tokens, cut.min_chance)
             raw = [found[i].scored] + ([heads[chosen.index(i)]] if i in chosen else [])
             self._remember(request, merged.tree, raw, match_band(found[i].match_length))
             trees.append(merged.tree)
@@ -165,19 +177,40 @@ class HybridDrafter(Drafter):
     # ---- choosing ---------------------------------------------------------------------
 
     def _calibrated(self, draft: SuffixDraft) -> ScoredDraft:
-        """The suffix draft with each node's chance times its cell's calibration, at most
-        its parent's (a path is never likelier than its prefix)."""
+        """The suffix draft with each node's chance as its parent's times its conditional
+        frequency (its count over its parent's) times its cell's calibration: a copy that
+        holds on is likely to hold on further, so a deep guess keeps most of its parent's
+        chance when the target keeps taking such guesses."""
         cells = self.suffix_calibrations[match_band(draft.match_length)]
-        tree = draft.scored.tree
+        tree, probs = draft.scored.tree, draft.scored.probs
         chances = [1.0]
         for i in range(1, tree.num_nodes):  # parents come before their children
+            parent = tree.parents[i]
             factor = cells[depth_cell(tree.depths[i])].factor
-            chances.append(min(chances[tree.parents[i]], draft.scored.probs[i] * factor))
+            chances.append(chances[parent] * min(_conditional(probs, parent, i) * factor, 1.0))
         return ScoredDraft(tree, chances)
 
-    def _choose_heads(self, requests: list[DraftRequest], suffix: list[ScoredDraft]) -> list[int]:
+    def _cut(self, num_requests: int, drafts: list[ScoredDraft]) -> _Cut:
+        """Which of the drafts' nodes to verify: the k likeliest of them all, with the k
+        that earns the most committed tokens per second on the cost line (0: none). The
+        best rate is the bar, not the rate of every node: a long copy whose guesses are all
+        likely would otherwise set a bar that none of them clears."""
+        chances = sorted((c for d in drafts for c in d.probs[1:]), reverse=True)
+        if self.cost is None:
+            return _Cut(0.0, num_requests + sum(chances), num_requests + len(chances))
+        intercept, slope = self.cost.line()
+        commits = best_commits = float(num_requests)
+        best_k, best_rate = 0, commits / max(intercept + slope * num_requests, 1e-9)
+        for k, chance in enumerate(chances, start=1):
+            commits += chance / (1 + NODE_MARGIN)
+            rate = commits / max(intercept + slope * (num_requests + k), 1e-9)
+            if rate > best_rate:
+                best_k, best_rate, best_commits = k, rate, commits
+        return _Cut(chances[best_k - 1] if best_k else math.inf, best_commits, num_requests + best_k)
+
+    def _choose_heads(self, requests: list[DraftRequest], suffix: list[ScoredDraft], cut: _Cut) -> list[int]:
         """Indices of the requests whose heads draft is worth running this step (suffix:
-        each request's calibrated suffix draft)."""
+        each request's calibrated suffix draft; cut: what of those is worth verifying)."""
         if self.heads is None:
             return []
         gains = {i: self._heads_worth(r.request_id).mean - _expected(suffix[i])
@@ -185,8 +218,7 @@ class HybridDrafter(Drafter):
         order = sorted((i for i, gain in gains.items() if gain > 0), key=lambda i: -gains[i])
         if self.cost is None or not order:
             return order
-        commits = len(requests) + sum(_expected(d) for d in suffix)
-        rows = len(requests) + sum(d.tree.num_drafts for d in suffix)
+        commits, rows = cut.commits, cut.rows
         best, best_rate = 0, (1 + HEADS_MARGIN) * commits / self.cost.forward_time(rows)
         for m, i in enumerate(order, start=1):
             commits += gains[i]
@@ -201,15 +233,6 @@ class HybridDrafter(Drafter):
             return 0.0
         intercept, slope = self.heads_seconds.line(LineFit())
         return max(intercept + slope * num_requests, 0.0)
-
-    def _min_chance(self, requests: list[DraftRequest], suffix: list[ScoredDraft]) -> float:
-        """The least chance a node must have to be worth its verify row: a row costs the
-        forward's slope in seconds, and the step earns commits / seconds (plus the margin)."""
-        if self.cost is None:
-            return 0.0
-        commits = len(requests) + sum(_expected(d) for d in suffix)
-        rows = len(requests) + sum(d.tree.num_drafts for d in suffix)
-        return (1 + NODE_MARGIN) * self.cost.slope() * commits / self.cost.forward_time(rows)
 
     def _run_heads(self, requests: list[DraftRequest]) -> list[ScoredDraft]:
         if not requests or self.heads is None:
@@ -240,7 +263,9 @@ class HybridDrafter(Drafter):
         for source, draft in enumerate(drafts):
             for i in range(1, draft.tree.num_nodes):
                 path = tuple(draft.tree.token_ids[n] for n in draft.tree.path_to(i)[1:])
-                if source == SUFFIX or path in kept:
+                if source == SUFFIX:
+                    paths[source].append(_Guess(path, _conditional(draft.probs, draft.tree.parents[i], i)))
+                elif path in kept:
                     paths[source].append(_Guess(path, draft.probs[i]))
         self.offers.setdefault(request.request_id, []).append(_Offer(len(request.token_ids) - 1, paths, band))
 
@@ -253,8 +278,9 @@ class HybridDrafter(Drafter):
         for offer in self.offers.pop(request.request_id, []):
             committed = tuple(request.token_ids[offer.root_position + 1:])
             (suffix, heads), undecided = _decide(offer.paths, committed)
+            reached = [g for g in suffix if committed[: len(g.path) - 1] == g.path[:-1]]
             for cell, calibration in enumerate(self.suffix_calibrations[offer.band]):
-                _learn(calibration, [g for g in suffix if depth_cell(len(g.path)) == cell], committed)
+                _learn(calibration, [g for g in reached if depth_cell(len(g.path)) == cell], committed)
             if heads:
                 accepted = _learn(self.heads_calibration, heads, committed)
                 self._heads_worth(request.request_id).add(accepted, REQUEST_DISCOUNT)
@@ -284,6 +310,11 @@ def _learn(calibration: _Calibration, guesses: list[_Guess], committed: tuple[in
     accepted = sum(1 for g in guesses if committed[: len(g.path)] == g.path)
     calibration.add(accepted, sum(g.chance for g in guesses))
     return accepted
+
+
+def _conditional(probs: list[float], parent: int, node: int) -> float:
+    """A suffix node's frequency among its parent's continuations (probs: path frequencies)."""
+    return probs[node] / max(probs[parent], 1e-9)
 
 
 def _expected(draft: ScoredDraft) -> float:

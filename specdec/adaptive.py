@@ -70,12 +70,12 @@ class CostModel:
         self.draft_seconds_per_depth = 0.0
 
     def forward_time(self, num_tokens: float) -> float:
-        intercept, slope = self.fit.line(self._prior())
+        intercept, slope = self.line()
         return max(intercept + slope * num_tokens, 1e-6)
 
-    def slope(self) -> float:
-        """Seconds one more query token adds to a forward."""
-        return self.fit.line(self._prior())[1]
+    def line(self) -> tuple[float, float]:
+        """(intercept, slope) of the forward time in seconds against query tokens."""
+        return self.fit.line(self._prior())
 
     def draft_time(self, depth: int) -> float:
         return self.draft_seconds_per_depth * depth

@@ -12,7 +12,7 @@ from specdec.adaptive import CostModel
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DraftRequest
 from specdec.drafters.hybrid import MATCH_BAND_STARTS, HybridDrafter, _Calibration, _Guess, _Offer, match_band
-from specdec.drafters.suffix import SuffixDrafter
+from specdec.drafters.suffix import SuffixDraft, SuffixDrafter
 from specdec.tree import DraftTree, ScoredDraft, merge_drafts
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
 
@@ -156,8 +156,8 @@ def test_cut_suffix_guesses_are_judged_too_so_a_bad_start_does_not_stop_drafting
 def test_each_match_band_keeps_its_own_calibration() -> None:
     """Wrong guesses after short matches (open text) do not cut the guesses that continue
     a long match (text being copied), and the other way round."""
-    assert [match_band(n) for n in (2, 3, 4, 7, 8, 30)] == [0, 1, 2, 2, 3, 3]
-    assert len(MATCH_BAND_STARTS) == 3
+    assert [match_band(n) for n in (2, 3, 4, 7, 8, 15, 16, 30)] == [0, 1, 2, 2, 3, 3, 4, 4]
+    assert len(MATCH_BAND_STARTS) == 4
     cost = CostModel([1, 2, 4, 8], [0.010, 0.015, 0.025, 0.045])
     drafter = HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=6,
                                                             num_tree_nodes=6, suffix_min_prob=0.0)), None, cost)
@@ -168,23 +168,38 @@ def test_each_match_band_keeps_its_own_calibration() -> None:
     assert long.token_ids[1:3] == [9, 10]
 
 
-def test_a_cut_guess_deeper_than_the_known_tokens_is_not_judged_yet() -> None:
+def test_a_guess_is_judged_once_decided_and_only_where_its_parent_was_taken() -> None:
     drafter = hybrid(None)
     band = match_band(8)
-    guesses = [_Guess((3,), 0.9), _Guess((3, 4, 5), 1.0), _Guess((3, 9, 9), 1.0), _Guess((7, 8, 9), 0.5)]
+    guesses = [_Guess((3,), 0.9), _Guess((3, 9), 0.5), _Guess((3, 4, 5), 1.0), _Guess((7, 8, 9), 0.5)]
     drafter.offers["r"] = [_Offer(2, [guesses, []], band)]
     before = [_Calibration(c.accepted, c.predicted) for c in drafter.suffix_calibrations[band]]
     drafter.propose([ask("r", [1, 2, 3, 3, 4])])  # two tokens known after the root: 3, 4
     first, second, deeper = drafter.suffix_calibrations[band]
-    # decided: (3,) right, (3, 9, 9) and (7, 8, 9) wrong; (3, 4, 5) waits for its third token
+    # (3,) right; (3, 9) wrong after its parent was taken; (7, 8, 9) decided, but its parent
+    # was not taken, so it says nothing of how a copy goes on; (3, 4, 5) waits for its token
     assert (first.accepted, first.predicted) == pytest.approx((0.98 * before[0].accepted + 1,
                                                                0.98 * before[0].predicted + 0.9))
-    assert (second.accepted, second.predicted) == (before[1].accepted, before[1].predicted)
-    assert (deeper.accepted, deeper.predicted) == pytest.approx((0.98 * before[2].accepted,
-                                                                 0.98 * before[2].predicted + 1.5))
-    waiting = deeper.accepted, deeper.predicted
+    assert (second.accepted, second.predicted) == pytest.approx((0.98 * before[1].accepted,
+                                                                 0.98 * before[1].predicted + 0.5))
+    assert (deeper.accepted, deeper.predicted) == (before[2].accepted, before[2].predicted)
     drafter.propose([ask("r", [1, 2, 3, 3, 4, 5])])  # and now it is right
-    assert (deeper.accepted, deeper.predicted) == pytest.approx((0.98 * waiting[0] + 1, 0.98 * waiting[1] + 1.0))
+    assert (deeper.accepted, deeper.predicted) == pytest.approx((0.98 * before[2].accepted + 1,
+                                                                 0.98 * before[2].predicted + 1.0))
+
+
+def test_a_suffix_guess_chance_is_its_parents_times_its_calibrated_frequency() -> None:
+    """A copy that holds on keeps most of its chance deep down (the cells' factors are per
+    depth given the parent), and a branch's share of its parent's count scales its chance."""
+    drafter = hybrid(None)
+    cells = drafter.suffix_calibrations[match_band(8)]
+    for cell, factor in zip(cells, (0.8, 0.9, 0.95), strict=True):
+        cell.accepted, cell.predicted = factor, 1.0
+    tree = DraftTree([0, 1, 2, 3, 4, 5], [-1, 0, 1, 2, 3, 2])  # 1 2 3 4 and a branch 1 2 5
+    found = SuffixDraft(ScoredDraft(tree, [1.0, 1.0, 1.0, 0.5, 0.5, 0.5]), match_length=8)
+    chances = drafter._calibrated(found).probs
+    assert chances == pytest.approx([1.0, 0.8, 0.8 * 0.9, 0.72 * 0.5 * 0.95, 0.72 * 0.5 * 0.95 * 0.95,
+                                     0.72 * 0.5 * 0.95])
 
 
 def test_the_cost_model_keeps_heads_off_when_their_time_outweighs_their_worth() -> None:
