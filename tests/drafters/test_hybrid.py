@@ -202,6 +202,19 @@ def test_a_suffix_guess_chance_is_its_parents_times_its_calibrated_frequency() -
                                      0.72 * 0.5 * 0.95])
 
 
+def test_a_long_copy_whose_guesses_are_all_likely_is_verified_whole() -> None:
+    """The bar a node must clear is the best rate a cut reaches, not the rate of every
+    node: a long copy's sixteen near-certain guesses are all worth a verify row."""
+    cost = CostModel([1, 2, 4, 8, 16], [0.010, 0.014, 0.022, 0.038, 0.070])  # a row: 4 ms
+    drafter = HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=16,
+                                                            num_tree_nodes=16, suffix_min_prob=0.0)), None, cost)
+    for cell in drafter.suffix_calibrations[match_band(24)]:
+        cell.accepted = cell.predicted = 1.0
+    text = list(range(1, 41))
+    assert drafter.propose([ask("r", text + text[:24], budget=16)])[0].token_ids[1:] == text[24:40]
+    assert drafter._cut(1, [ScoredDraft(DraftTree.chain([0, 1]), [1.0, 0.1])]).min_chance == float("inf")
+
+
 def test_the_cost_model_keeps_heads_off_when_their_time_outweighs_their_worth() -> None:
     cost = CostModel([1, 8], [0.01, 0.012])
     heads = FakeHeads([50, 51])
