@@ -67,6 +67,7 @@ class CostModel:
             self.calibration.add(size, time_s, weight=PRIOR_WEIGHT / len(sizes), discount=1.0)
         self.calibration_line = self.calibration.line(LineFit())
         self.fit = LineFit()
+        self._line: tuple[float, float] | None = None  # line() until the next observed forward
         self.draft_seconds_per_depth = 0.0
 
     def forward_time(self, num_tokens: float) -> float:
@@ -75,7 +76,9 @@ class CostModel:
 
     def line(self) -> tuple[float, float]:
         """(intercept, slope) of the forward time in seconds against query tokens."""
-        return self.fit.line(self._prior())
+        if self._line is None:
+            self._line = self.fit.line(self._prior())
+        return self._line
 
     def draft_time(self, depth: int) -> float:
         return self.draft_seconds_per_depth * depth
@@ -84,6 +87,7 @@ class CostModel:
         """A decode/verify step's time (steps over more than FIT_MAX_TOKENS are ignored)."""
         if num_tokens <= FIT_MAX_TOKENS:
             self.fit.add(num_tokens, seconds)
+            self._line = None
 
     def observe_draft(self, depth: int, seconds: float) -> None:
         # Averaged from zero, so that one slow first call (an n-gram index being built, a
