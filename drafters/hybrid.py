@@ -60,7 +60,7 @@ HEADS_MAX_NODES = 6
 # loop's long ones. A cell starts at the factor measured there (CELL_PRIORS[band][depth]),
 # weighing as much as PRIOR_GUESSES guesses.
 MATCH_BAND_STARTS = (3, 4, 8, 16)  # least match length of each band after the first (2 tokens)
-CELL_PRIORS = ((0.45, 0.57, 0.57), (0.6, 0.68, 0.63), (0.69, 0.76, 0.86), (0.76, 0.92, 0.94), (0.95, 0.92, 0.97))
+CELL_PRIORS = ((0.45, 0.58, 0.72), (0.57, 0.7, 0.75), (0.71, 0.75, 0.88), (0.86, 0.91, 0.94), (0.97, 0.97, 0.97))
 PRIOR_GUESSES = 2.0
 
 
