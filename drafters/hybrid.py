@@ -6,16 +6,17 @@ from earlier requests' outputs in microseconds, and is often right for long stre
 it finds a match. Learned heads (recurrent Medusa heads, recurrent_drafter.py) cost a few
 small forwards a step but guess open text, where suffix decoding finds nothing.
 
-Each step the suffix draft is made first. Its node chances (empirical probabilities),
-times a calibration measured from what the target accepted, give its expected accepted
-tokens. Suffix guesses are calibrated per band of match length and per depth: a guess that
-continues a long match (text being copied) is right far more often than one after a
-two-token match of the same frequency, and a first guess more often than a third. The
-heads run only for the requests where their own measured acceptance beats that by enough
-to pay for their time and for the extra verify rows, judged by expected committed tokens
-per second with the target's forward cost (adaptive.py's CostModel, when the config is
-adaptive). The drafts are then merged (specdec.tree.merge_drafts) by calibrated chance,
-and nodes worth less than the verify row they cost are cut.
+Each step the suffix draft is made first. A node's chance is its parent's times its
+share of the parent's continuations (empirical frequencies) times a calibration measured
+from what the target accepted, per band of match length and per depth, given the parent
+was taken: a guess that continues a long match (text being copied) is right far more
+often than one after a two-token match of the same frequency, and a copy that has begun
+goes on. The heads run only for the requests where their own measured acceptance beats
+the suffix draft's by enough to pay for their time and for the extra verify rows, judged
+by expected committed tokens per second with the target's forward cost (adaptive.py's
+CostModel, when the config is adaptive). The drafts are then merged
+(specdec.tree.merge_drafts) by calibrated chance, and the step verifies the likeliest
+nodes of the whole batch, as many as earn the most committed tokens per second.
 
 Every guess is deterministic (verified one-hot), so the merged tree is verified exactly as
 either drafter's tree would be: lossless for greedy and sampled requests alike.
@@ -153,9 +154,11 @@ class HybridDrafter(Drafter):
             self._score_offers(request)
         found = [self.suffix.draft(r) for r in requests]
         suffix = [self._calibrated(d) for d in found]
-        cut = self._cut(len(requests), suffix)
+        cut = self._cut(len(requests), _chances(suffix))
         chosen = self._choose_heads(requests, suffix, cut)
         heads = self._run_heads([requests[i] for i in chosen])
+        if heads:
+            cut = self._cut(len(requests), _chances(suffix) + _chances(heads, self.heads_calibration.factor))
         trees = []
         for i, request in enumerate(requests):
             drafts = [(suffix[i], 1.0)] + ([(heads[chosen.index(i)], self.heads_calibration.factor)]
@@ -190,12 +193,12 @@ class HybridDrafter(Drafter):
             chances.append(chances[parent] * min(_conditional(probs, parent, i) * factor, 1.0))
         return ScoredDraft(tree, chances)
 
-    def _cut(self, num_requests: int, drafts: list[ScoredDraft]) -> _Cut:
-        """Which of the drafts' nodes to verify: the k likeliest of them all, with the k
-        that earns the most committed tokens per second on the cost line (0: none). The
-        best rate is the bar, not the rate of every node: a long copy whose guesses are all
-        likely would otherwise set a bar that none of them clears."""
-        chances = sorted((c for d in drafts for c in d.probs[1:]), reverse=True)
+    def _cut(self, num_requests: int, chances: list[float]) -> _Cut:
+        """Which of the drafts' nodes (chances: every node's calibrated chance) to verify:
+        the k likeliest, with the k that earns the most committed tokens per second on the
+        cost line (0: none). The best rate is the bar, not the rate of every node: a long
+        copy whose guesses are all likely would otherwise set a bar that none of them clears."""
+        chances = sorted(chances, reverse=True)
         if self.cost is None:
             return _Cut(0.0, num_requests + sum(chances), num_requests + len(chances))
         intercept, slope = self.cost.line()
@@ -315,6 +318,11 @@ def _learn(calibration: _Calibration, guesses: list[_Guess], committed: tuple[in
 def _conditional(probs: list[float], parent: int, node: int) -> float:
     """A suffix node's frequency among its parent's continuations (probs: path frequencies)."""
     return probs[node] / max(probs[parent], 1e-9)
+
+
+def _chances(drafts: list[ScoredDraft], weight: float = 1.0) -> list[float]:
+    """Every drafted node's chance, times the drafts' calibration weight."""
+    return [weight * c for d in drafts for c in d.probs[1:]]
 
 
 def _expected(draft: ScoredDraft) -> float:

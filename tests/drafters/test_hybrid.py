@@ -212,7 +212,7 @@ def test_a_long_copy_whose_guesses_are_all_likely_is_verified_whole() -> None:
         cell.accepted = cell.predicted = 1.0
     text = list(range(1, 41))
     assert drafter.propose([ask("r", text + text[:24], budget=16)])[0].token_ids[1:] == text[24:40]
-    assert drafter._cut(1, [ScoredDraft(DraftTree.chain([0, 1]), [1.0, 0.1])]).min_chance == float("inf")
+    assert drafter._cut(1, [0.1]).min_chance == float("inf")
 
 
 def test_the_cost_model_keeps_heads_off_when_their_time_outweighs_their_worth() -> None:
@@ -224,6 +224,15 @@ def test_the_cost_model_keeps_heads_off_when_their_time_outweighs_their_worth() 
     drafter.propose([ask("r", [10, 11, 12])])
     assert heads.calls == []
 
+
+
+def test_the_heads_guesses_are_verified_where_they_pay_and_suffix_decoding_found_nothing() -> None:
+    cost = CostModel([1, 2, 4, 8], [0.010, 0.0105, 0.0115, 0.0135])  # a row: a twentieth of a decode
+    heads = FakeHeads([50, 51])  # chance 0.9 each, calibrated at 1
+    drafter = hybrid(heads, cost)
+    tree = drafter.propose([ask("r", [10, 11, 12])])[0]
+    assert heads.calls == [["r"]]
+    assert tree.token_ids == [12, 50, 51]
 
 # ---- the engine -----------------------------------------------------------------------------
 
