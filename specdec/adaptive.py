@@ -46,16 +46,16 @@ GLOBAL_DISCOUNT = 0.98
 CORRECTION_RATE = 0.1  # how fast measured drafting times move the estimate
 FIT_DISCOUNT = 0.97  # per step: the cost line follows about the last 30 steps
 FIT_MAX_TOKENS = 128  # steps with more query tokens are not fitted
-PRIOR_WEIGHT = 0.1  # the calibration points together weigh a tenth of one measured step
+PRIOR_WEIGHT = 0.005  # the calibration points weigh at most 1/200 of a measured 1-token step together
 
 
 class CostModel:
     """Predicted seconds for a target forward over T query tokens and for drafting to a depth.
 
-    A forward's time is modelled as a line, intercept + slope * T, fitted by weighted least
-    squares to the step times measured in recent decode and verify steps (older ones
-    discounted), plus the start-up calibration points as a light prior that keeps the fit
-    defined before there is spread in T. Measured steps carry what the calibration cannot
+    A forward's time is modelled as a line, intercept + slope * T, fitted by least squares
+    in relative error to the step times measured in recent decode and verify steps (older
+    ones discounted), plus the start-up calibration points as a light prior that keeps the
+    fit defined before there is spread in T. Measured steps carry what the calibration cannot
     know: how many requests share the step and how long their contexts are.
     """
 
@@ -64,7 +64,8 @@ class CostModel:
         self.seconds = seconds
         self.calibration = LineFit()  # the calibration points, a light prior
         for size, time_s in zip(sizes, seconds):
-            self.calibration.add(size, time_s, weight=PRIOR_WEIGHT / len(sizes), discount=1.0)
+            self.calibration.add(size, time_s, weight=PRIOR_WEIGHT / len(sizes) * self._relative(time_s),
+                                 discount=1.0)
         self.calibration_line = self.calibration.line(LineFit())
         self.fit = LineFit()
         self._line: tuple[float, float] | None = None  # line() until the next observed forward
@@ -86,7 +87,7 @@ class CostModel:
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
         """A decode/verify step's time (steps over more than FIT_MAX_TOKENS are ignored)."""
         if num_tokens <= FIT_MAX_TOKENS:
-            self.fit.add(num_tokens, seconds)
+            self.fit.add(num_tokens, seconds, weight=self._relative(seconds))
             self._line = None
 
     def observe_draft(self, depth: int, seconds: float) -> None:
@@ -94,6 +95,14 @@ class CostModel:
         # draft model's prompt prefill) cannot by itself switch speculation off.
         if depth > 0:
             self.draft_seconds_per_depth += CORRECTION_RATE * (seconds / depth - self.draft_seconds_per_depth)
+
+    def _relative(self, seconds: float) -> float:
+        """A point's weight in the fits: least squares in relative error (1 / t^2, a
+        1-token forward weighing about 1). The choices compare rates, and forwards of many
+        tokens cost more per token than a verify's few (attention, caches): weighted
+        equally, the calibration's 32- and 64-token points had set a line whose rows cost
+        almost a whole decode, and no guess was ever worth one."""
+        return (self.seconds[0] / max(seconds, 1e-9)) ** 2
 
     def _prior(self) -> LineFit:
         """The calibration points, rescaled to the level of the measured steps: the

@@ -58,6 +58,16 @@ def test_cost_model_fits_measured_steps() -> None:
     assert cost.draft_time(2) == pytest.approx(0.004, rel=1e-3)
 
 
+def test_cost_line_is_fitted_in_relative_error() -> None:
+    """A start-up calibration whose large forwards cost more per token than small ones
+    (as measured on 2 CPU cores) prices a verify row by the small ones: equal weights put
+    the intercept at 1.6 ms and a row at 3.5 ms, near a whole 9 ms decode."""
+    cost = CostModel([1, 2, 4, 8, 16, 32, 64], [0.0091, 0.011, 0.0157, 0.0277, 0.0485, 0.115, 0.224])
+    intercept, slope = cost.line()
+    assert intercept > 0.004 and slope < 0.0035
+    assert cost.forward_time(2) == pytest.approx(0.011, rel=0.15)
+
+
 def test_flat_cost_keeps_every_draft() -> None:
     planner = AdaptiveSpeculation(flat_cost(), whole_drafts=False)
     assert planner.grant([limit("a", 5), limit("b", 3)], 3, 3) == [5, 3]
