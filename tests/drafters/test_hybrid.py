@@ -215,6 +215,19 @@ def test_a_long_copy_whose_guesses_are_all_likely_is_verified_whole() -> None:
     assert drafter._cut(1, [0.1]).min_chance == float("inf")
 
 
+def test_a_batch_too_big_for_any_guess_to_pay_skips_the_lookups_but_keeps_indexing() -> None:
+    cost = CostModel([1, 2, 4, 8, 16], [0.010, 0.014, 0.022, 0.038, 0.070])  # a row: 4 ms
+    drafter = HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=6,
+                                                            num_tree_nodes=6, suffix_min_prob=0.0)), None, cost)
+    assert drafter._any_guess_pays(1) and not drafter._any_guess_pays(16)
+    text = list(range(1, 21))
+    crowd = [ask(f"other{i}", [100 + i]) for i in range(15)]
+    trees = drafter.propose([ask("r", text + text[:8]), *crowd])
+    assert all(t.num_drafts == 0 for t in trees) and drafter.offers == {}
+    assert drafter.suffix.contexts["r"].index.end == 28  # the request's tokens were indexed all the same
+    assert drafter.propose([ask("r", text + text[:9])])[0].token_ids[1:3] == [10, 11]  # alone again: it drafts
+
+
 def test_the_cost_model_keeps_heads_off_when_their_time_outweighs_their_worth() -> None:
     cost = CostModel([1, 8], [0.01, 0.012])
     heads = FakeHeads([50, 51])
