@@ -54,9 +54,10 @@ HEADS_MAX_NODES = 6
 # Suffix guesses are calibrated per cell: the band of the match length they continue
 # (2, 3, 4-7, 8-15 or 16+ tokens) and their depth (1, 2, 3+), each given that its parent
 # was accepted. Over evals/prompts' categories, each guess judged once the committed tokens
-# decided it, the target took this share of what the suffix frequencies promised
-# (depth 1 / 2 / 3+): 45 / 57% after a 2-token match, 60 / 68 / 63% after 3, 69 / 76 /
-# 86% after 4-7, 76 / 92 / 94% after 8-15 and 100 / 92 / 97% after 16+: a copy that has
+# decided it (drafts 4x the match length deep, so that short matches had deep guesses to
+# judge), the target took this share of what the suffix frequencies promised (depth 1 / 2
+# / 3+): 45 / 58 / ~72% after a 2-token match, 57 / 70 / ~75% after 3, 71 / 75 / ~88%
+# after 4-7, 86 / 91 / ~94% after 8-15 and 97% at every depth after 16+: a copy that has
 # begun goes on. One calibration for all let short matches in open text cut an edit
 # loop's long ones. A cell starts at the factor measured there (CELL_PRIORS[band][depth]),
 # weighing as much as PRIOR_GUESSES guesses.

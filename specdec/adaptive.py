@@ -97,8 +97,8 @@ class CostModel:
             self.draft_seconds_per_depth += CORRECTION_RATE * (seconds / depth - self.draft_seconds_per_depth)
 
     def _relative(self, seconds: float) -> float:
-        """A point's weight in the fits: least squares in relative error (1 / t^2, a
-        1-token forward weighing about 1). The choices compare rates, and forwards of many
+        """A point's weight in the fits: least squares in relative error (1 / t^2, the
+        smallest calibrated forward weighing 1). The choices compare rates, and forwards of many
         tokens cost more per token than a verify's few (attention, caches): weighted
         equally, the calibration's 32- and 64-token points had set a line whose rows cost
         almost a whole decode, and no guess was ever worth one."""
@@ -252,8 +252,8 @@ class CostLearning(SpeculationPolicy):
 
 
 class DrafterPricing(CostLearning):
-    """Grants every request its limit: the drafter cuts each guess worth less than its
-    verify row by this cost model, per step and per node. A second gate on the request's
+    """Grants every request its limit: the drafter verifies, per step, as many of its
+    likeliest guesses as earn the most tokens per second by this cost model. A second gate on the request's
     past acceptance would shut out the steps the drafter knows are good (a long suffix
     match in an edit loop after a stretch of open text), and its probes would verify
     guesses the drafter knows are bad."""
