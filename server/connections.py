@@ -6,7 +6,8 @@ for ever; and h11's `max_incomplete_event_size` only bounds a head that has not 
 whole, so a huge head in one packet gets through. This protocol closes a connection whose
 request head has not arrived within `header_timeout` seconds (408 when part of one came),
 answers 431 to a head over the config's `h11_max_incomplete_event_size` bytes, and sends
-its 4xx (and h11's 400 for a malformed request) as OpenAI-style JSON errors.
+its 4xx (and h11's 400 for a malformed request) as OpenAI-style JSON errors, closing
+without a reset that could destroy them.
 """
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ logger = logging.getLogger(__name__)
 _HEAD_END = b"\r\n\r\n"
 DEFAULT_MAX_HEAD_BYTES = 16 * 1024  # h11's default max_incomplete_event_size, as uvicorn uses it
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
+LINGER_SECONDS = 2.0  # how long a rejected connection reads and drops what still arrives
 
 
 class GuardedH11Protocol(H11Protocol):
     header_timeout: float = 10.0  # guarded_protocol() makes a subclass with the server's value
 
     _header_timer: asyncio.TimerHandle | None = None
+    _lingering = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -39,6 +42,8 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:  # the rest of a rejected request: dropped
+            return
         if self.conn.their_state is h11.IDLE:  # (part of) a new request head
             if self._head_too_large(data):
                 self._reject(431, f"the request head is over {self._max_head_bytes()} bytes (--max-header-bytes)")
@@ -90,7 +95,17 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm_header_timer()
         if not self.transport.is_closing():
             self.transport.write(head + body)
-            self.transport.close()
+            self._linger()
+
+    def _linger(self) -> None:
+        """Close after the answer as nginx's lingering close does: half-close, then drop what
+        the client still sends until it closes or LINGER_SECONDS pass. Closing with its
+        data unread would reset the connection, and the reset can destroy the answer
+        before the client has read it (a 100 KB head rejected after its first packet)."""
+        self._lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
 
 def guarded_protocol(header_timeout: float) -> type[GuardedH11Protocol]:

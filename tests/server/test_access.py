@@ -217,7 +217,7 @@ def test_keep_alive_connection_closes_when_idle(limited: RunningServer) -> None:
         assert time.monotonic() - started < 5
 
 
-@pytest.mark.parametrize("size", [3000, 100_000])
+@pytest.mark.parametrize("size", [3000, 100_000, 4_000_000])
 def test_request_head_over_max_header_bytes_is_431(limited: RunningServer, size: int) -> None:
     with connect(limited) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * size + b"\r\n\r\n")
