@@ -162,11 +162,12 @@ class HybridDrafter(Drafter):
             self._score_offers(request)
         found = [self.suffix.draft(r) for r in requests]
         suffix = [self._calibrated(d) for d in found]
-        cut = self._cut(len(requests), _chances(suffix))
+        suffix_chances = _chances(suffix)
+        cut = self._cut(len(requests), suffix_chances)
         chosen = self._choose_heads(requests, suffix, cut)
         heads = self._run_heads([requests[i] for i in chosen])
         if heads:
-            cut = self._cut(len(requests), _chances(suffix) + _chances(heads, self.heads_calibration.factor))
+            cut = self._cut(len(requests), suffix_chances + _chances(heads, self.heads_calibration.factor))
         trees = []
         for i, request in enumerate(requests):
             drafts = [(suffix[i], 1.0)] + ([(heads[chosen.index(i)], self.heads_calibration.factor)]
