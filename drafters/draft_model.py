@@ -18,7 +18,7 @@ from specdec.model_registry import resolve_model
 from specdec.model_runner import ModelRunner
 from specdec.models import LlamaForCausalLM, load_model
 from specdec.request import Request
-from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
+from specdec.sampler import SamplingTensors, argmax, logits_to_probs, sample_probs
 from specdec.scheduler import ScheduledRequest
 from specdec.tree import Candidate, DraftTree, expand_layer
 
@@ -69,7 +69,7 @@ class DraftModelDrafter(Drafter):
         """One batched draft forward: catch up on new tokens, sample the next draft token."""
         logits = self._catch_up(shadows)  # [B, V]
         if st.all_greedy:  # greedy verification never reads draft probabilities
-            sampled, step_probs = logits.argmax(-1), None
+            sampled, step_probs = argmax(logits), None
         else:
             step_probs = logits_to_probs(logits, st)  # [B, V]
             sampled = sample_probs(step_probs, st.generators)

@@ -24,7 +24,7 @@ from specdec.drafters import recurrent_heads
 from specdec.drafters.base import Drafter, DrafterContext, DraftRequest
 from specdec.drafters.recurrent_drafter import RecurrentDrafter
 from specdec.drafters.tree_choices import DEFAULT_CHOICES, Choice, tree_from_choices
-from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
+from specdec.sampler import SamplingTensors, argmax, logits_to_probs, sample_probs
 from specdec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ class MedusaDrafter(Drafter):
             return drafts
         logits = self.heads(torch.stack([requests[i].target_hidden() for i in ready]))  # [heads, R, V]
         # Every ready request's ranked guesses in one copy to the host (one wait for the GPU).
-        top = logits.topk(self.top_k, dim=-1).indices if self.branching else logits.argmax(-1, keepdim=True)
+        top = logits.topk(self.top_k, dim=-1).indices if self.branching else argmax(logits).unsqueeze(-1)
         ranked = top.tolist()  # [heads][R][top_k]
         for row, i in enumerate(ready):
             drafts[i] = self._draft(requests[i], logits[:, row], [head[row] for head in ranked])

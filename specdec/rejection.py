@@ -31,6 +31,7 @@ from torch import Tensor
 from specdec.sampler import (
     RACE_STREAM,
     SamplingTensors,
+    argmax,
     keyed_generator,
     keyed_uniforms,
     logits_to_probs,
@@ -115,7 +116,7 @@ def device_index(values: list[int], device: torch.device) -> Tensor:  # [len(val
 
 def _greedy(target_logits: Tensor, layout: DraftLayout) -> tuple[Tensor, Tensor]:
     """Accept while draft == target argmax; then emit the target argmax there."""
-    target_argmax = target_logits.argmax(dim=-1)[layout.target_rows]  # [N, K + 1]
+    target_argmax = argmax(target_logits)[layout.target_rows]  # [N, K + 1]
     k_max = layout.tokens.shape[1]
     match = (layout.tokens == target_argmax[:, :k_max]) & layout.valid  # [N, K]
     num_accepted = _leading_true(match)  # [N]

@@ -14,6 +14,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -144,9 +145,22 @@ def logits_to_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
     return probs
 
 
+def argmax(values: Tensor) -> Tensor:  # [..., V] -> [...] int64
+    """The index of each row's first largest value, as torch.argmax(dim=-1). On the CPU
+    numpy's vectorised argmax reads the row: torch 2.13's CPU argmax takes about 1 ns an
+    element (0.13 ms for one 49k-token row of logits, 0.4 ms for a six-row verify), a
+    tenth of a decode step of the default model; numpy's takes 0.2 ns."""
+    if values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(np.asarray(values.detach().numpy().argmax(axis=-1), dtype=np.int64))
+    return values.argmax(dim=-1)
+
+
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
 def _one_hot_argmax(logits: Tensor) -> Tensor:
     probs = torch.zeros_like(logits, dtype=torch.float32)  # [N, V]
-    return probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return probs.scatter_(1, argmax(logits).unsqueeze(1), 1.0)
 
 
 def _mask_min_p(probs: Tensor, min_p: Tensor) -> Tensor:  # [N, V], [N] -> [N, V]
@@ -189,7 +203,7 @@ def _mask_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 def sample(logits: Tensor, st: SamplingTensors) -> Tensor:
     """[N, V] logits -> [N] int64 sampled tokens (argmax on greedy rows)."""
     if st.all_greedy:
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     probs = logits_to_probs(logits, st)  # [N, V], greedy rows one-hot
     return sample_probs(probs, st.generators)
 
@@ -209,7 +223,7 @@ def sample_probs(probs: Tensor, generators: list[torch.Generator | None]) -> Ten
             race[row] = _exponential(probs.shape[1], gen).to(probs.device, non_blocking=True)
     # Exp(1) can be exactly 0; clamping avoids 0/0 and inf (a bias of ~1e-38).
     race.clamp_(min=torch.finfo(torch.float32).tiny)
-    return (probs / race).argmax(dim=-1)
+    return argmax(probs / race)
 
 
 def _exponential(n: int, gen: torch.Generator) -> Tensor:

@@ -50,6 +50,7 @@ from specdec.rejection import check_positions, device_index, residual_probs
 from specdec.sampler import (
     RACE_STREAM,
     SamplingTensors,
+    argmax,
     keyed_generator,
     keyed_uniforms,
     logits_to_probs,
@@ -149,7 +150,7 @@ def tree_verify(
 
 def _greedy(target_logits: Tensor, flat: FlatTrees) -> tuple[Tensor, Tensor]:
     """Last accepted flat row [B] and the target argmax there [B]."""
-    target_argmax = target_logits.argmax(dim=-1)  # [G]
+    target_argmax = argmax(target_logits)  # [G]
     is_root = flat.parent < 0  # [G]
     parent = flat.parent.clamp(min=0)  # [G]; roots point at row 0, masked by is_root
     match = (flat.tokens == target_argmax[parent]) & flat.first_of_token  # [G], False at roots

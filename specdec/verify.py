@@ -17,7 +17,7 @@ import torch
 from specdec.logits_processors import process_logits
 from specdec.model_runner import ForwardOutput
 from specdec.rejection import rejection_sample
-from specdec.sampler import SamplingTensors, top_logprobs
+from specdec.sampler import SamplingTensors, argmax, top_logprobs
 from specdec.scheduler import ScheduledRequest
 from specdec.tree import DraftTree
 from specdec.tree_rejection import tree_verify
@@ -82,8 +82,8 @@ def _verify_chains(batch: list[ScheduledRequest], trees: list[DraftTree], logits
         drafts = [trees[i].token_ids[1:] for i in group]
         if not any(drafts) and all(batch[i].request.sampling_params.greedy for i in group):
             # Plain greedy decoding, what rejection sampling gives without its set-up.
-            argmax = _gather_rows(logits, num_rows, group, starts).argmax(dim=-1).tolist()  # [len(group)]
-            for i, token in zip(group, argmax):
+            tokens = argmax(_gather_rows(logits, num_rows, group, starts)).tolist()  # [len(group)]
+            for i, token in zip(group, tokens):
                 results[i].tokens, results[i].accepted_nodes = [token], []
             continue
         probs = _stack_draft_probs(drafts, [_chain_probs(trees[i]) for i in group], logits.shape[1])

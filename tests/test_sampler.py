@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 import specdec.sampler as sampler
-from specdec.sampler import (ACCEPT_STREAM, RACE_STREAM, SamplingTensors, keyed_generator, keyed_seed,
+from specdec.sampler import (ACCEPT_STREAM, RACE_STREAM, SamplingTensors, argmax, keyed_generator, keyed_seed,
                              keyed_uniforms, logits_to_probs, sample, sample_keyed, sample_probs, top_logprobs)
 from specdec.sampling_params import SamplingParams
 
@@ -32,6 +32,20 @@ def chi2_pvalue(counts: Tensor, probs: Tensor) -> float:
 
 
 # ---------------------------------------------------------------- SamplingTensors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_argmax_is_torch_argmax(dtype: torch.dtype) -> None:
+    """The CPU fast path (numpy) and the torch fallback (bf16) pick what torch.argmax
+    picks: the first of tied maxima, -inf rows, 1-D, 3-D, strided and empty inputs."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 4, (7, 50), generator=gen).to(dtype)  # many ties
+    rows[3] = float("-inf")
+    rows[4, 10] = float("inf")
+    for values in (rows, rows[1], rows.reshape(7, 5, 10), rows[:, ::3], rows.t(), rows[:0]):
+        got = argmax(values)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, values.argmax(dim=-1))
 
 
 def test_from_params_tensors() -> None:
