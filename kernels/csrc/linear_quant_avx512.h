@@ -28,6 +28,12 @@ inline Unit fma(Unit x, Unit w, Unit acc) { return _mm512_fmadd_ps(x, w, acc); }
 constexpr int max_rows(int columns) { return columns >= 3 ? 2 : columns == 2 ? 6 : 12; }
 inline int64_t columns_per_tile(int64_t rows) { return rows <= 2 ? 4 : rows <= 6 ? 2 : 1; }
 constexpr bool kOneUnitLive = false;  // 32 registers: every column's unit decoded before the rows
+// A unit is one register: no half passes (half_tile is declared for linear_quant_tile.h's
+// `if constexpr` and never instantiated).
+constexpr int kHalfPassRows = 1 << 30;
+template <class Block, int R, int C>
+void half_tile(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, int64_t first, float* out,
+               int64_t ldo, const float* bias, int64_t cols);
 
 // The 16 lanes summed as (l, l + 8), then as reduce8 does.
 inline float reduce(Unit acc) {

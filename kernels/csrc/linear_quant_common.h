@@ -15,3 +15,6 @@ inline float half(const uint8_t* p) {
   std::memcpy(&bits, p, sizeof bits);
   return _cvtsh_ss(bits);
 }
+
+// How far ahead of its reads a tile requests its weights from memory.
+constexpr int64_t kAheadBytes = 4096;

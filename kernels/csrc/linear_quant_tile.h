@@ -9,19 +9,20 @@
 // k with k % 16 == l, in increasing k, from zero; then the 16 lanes are summed as
 // (l, l + 8), those as (l, l + 4), (l, l + 2) and the last two, and the bias added.
 
-// How far ahead of its reads a tile requests its weights from memory.
-constexpr int64_t kAheadBytes = 4096;
-
 using TileFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, const float*,
                        int64_t);
 
 // out[r * ldo + c] = sum_k x[r * ldx + k] * w_{first + c}[k] (+ bias[c]) for R rows and C
 // output columns: rows first .. first + C - 1 of the group of W at w
 // (linear_quant_blocks.h); only columns c < cols are stored. Each block is decoded once,
-// a unit (16 weights) at a time, and used by every row of the tile.
+// a unit (16 weights) at a time, and used by every row of the tile (an ISA whose unit
+// spans two registers runs R >= kHalfPassRows rows in its half_tile: half a unit at a time).
 template <class Block, int R, int C>
 void tile(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, int64_t first, float* out, int64_t ldo,
           const float* bias, int64_t cols) {
+  if constexpr (R >= kHalfPassRows) {
+    return half_tile<Block, R, C>(x, ldx, blocks, w, first, out, ldo, bias, cols);
+  }
   constexpr int64_t kStep = kGroup * Block::kBytes;  // bytes from one block of a row to its next
   Unit acc[R][C];
   for (int r = 0; r < R; ++r)

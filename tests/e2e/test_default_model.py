@@ -22,6 +22,11 @@ CHATS = [
     "Translate to French: The weather is nice today and we are going to the beach.",
     "A shop sells apples at 3 dollars each. Tom buys 4 apples and pays with a 20 dollar bill. "
     "How much change does he get? Think step by step.",
+    # A copy: suffix decoding surely drafts it (open chat alone may draft nothing in 64 tokens
+    # when the start-up calibration prices a verify row high, which failed the default's test).
+    "Repeat this paragraph exactly, word for word: The old lighthouse stood on the rocky cliff above the "
+    "harbour. Every night its keeper climbed the narrow stairs, lit the great lamp and watched the ships "
+    "come home safely through the fog.",
 ]
 MAX_TOKENS = 64
 SHIPPED_DRAFT = Path(__file__).parents[2] / "drafters" / "weights" / "smollm2-135m-draft"
