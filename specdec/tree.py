@@ -90,6 +90,19 @@ class DraftTree:
             path.append(self.parents[path[-1]])
         return path[::-1]
 
+    def greedy_walk(self, picks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Greedy verification of this tree (picks [N]: the target's argmax on each node's
+        row): from the root, move to the first child carrying its node's pick; where none
+        does, emit the pick (recovered, or bonus at a leaf). Returns the accepted nodes
+        (root excluded) and the emitted tokens (theirs, then the last pick)."""
+        node, accepted = 0, list[int]()
+        while True:
+            child = next((c for c in self._children[node] if self.token_ids[c] == picks[node]), None)
+            if child is None:
+                return accepted, [self.token_ids[n] for n in accepted] + [picks[node]]
+            accepted.append(child)
+            node = child
+
     def paths(self) -> list[list[int]]:
         """Every root-to-leaf path of node indices, leaves in node order."""
         return [self.path_to(leaf) for leaf in self.leaves()]

@@ -76,9 +76,6 @@ class FlatTrees:
     parent: Tensor  # [G] int64 flat row of the parent; -1 at roots
     request: Tensor  # [G] int64 owning request
     children: Tensor  # [G, C] int64 flat rows of the children in node order; -1 padded
-    # [G] bool: no earlier sibling carries the same token. Greedy moves to the FIRST
-    # child with the argmax token, and this keeps the matching nodes a single path.
-    first_of_token: Tensor
     max_depth: int
 
     @classmethod
@@ -94,16 +91,13 @@ class FlatTrees:
         is_child = local_parent >= 0  # [G]
         parent = torch.where(is_child, local_parent + starts[request], -1)  # [G]
         slot = _rank_among_equal(parent)  # [G] rank among its siblings
-        # parent * (max token + 1) + token identifies (parent, token) pairs; roots are not children.
-        token_key = parent * (int(tokens.max()) + 1 if trees else 1) + tokens  # [G]
-        first_of_token = (_rank_among_equal(token_key) == 0) & is_child  # [G]
         width = int(slot[is_child].max()) + 1 if bool(is_child.any()) else 1
         children = torch.full((len(tokens), width), -1, dtype=torch.int64)  # [G, C]
         children[parent[is_child], slot[is_child]] = torch.nonzero(is_child).squeeze(1)
         to_device = lambda t: t.to(device, non_blocking=True)
         return cls(starts=starts.tolist(), sizes=sizes, tokens=to_device(tokens), parent=to_device(parent),
                    request=to_device(request), children=to_device(children),
-                   first_of_token=to_device(first_of_token), max_depth=max((t.max_depth for t in trees), default=0))
+                   max_depth=max((t.max_depth for t in trees), default=0))
 
 
 def _rank_among_equal(keys: Tensor) -> Tensor:
@@ -126,43 +120,37 @@ def tree_verify(
     positions: list[int] | None = None,  # [B] position each root row decides; needed by seeded rows
 ) -> list[TreeResult]:
     _check_shapes(target_logits, trees, st, positions)
-    flat = FlatTrees.build(trees, target_logits.device)
+    if not trees:
+        return []
     greedy = st.greedy.tolist()
+    sampled = [b for b, g in enumerate(greedy) if not g]
+    # Greedy trees are walked on the host (DraftTree.greedy_walk) from one argmax of every row.
+    picks = argmax(target_logits) if any(greedy) else target_logits.new_empty(0, dtype=torch.int64)  # [G] or [0]
     last_node = torch.empty(len(trees), dtype=torch.int64, device=target_logits.device)  # [B] flat row
     final_token = torch.empty_like(last_node)  # [B]
-    if any(greedy):
-        # One vectorised pass over every tree; sampled rows are overwritten below.
-        last_node[:], final_token[:] = _greedy(target_logits, flat)
-    keyed = st.keyed_rows([t.draft_probs is None for t in trees])
-    if keyed:
-        assert positions is not None  # _check_shapes
-        rows = device_index(keyed, target_logits.device)  # [K]
-        last_node[rows], final_token[rows] = _keyed(target_logits, flat, st, keyed, [positions[b] for b in keyed])
-    stochastic = sorted(set(b for b, g in enumerate(greedy) if not g) - set(keyed))
-    if stochastic:
-        rows = device_index(stochastic, target_logits.device)  # [S]
-        last_node[rows], final_token[rows] = _stochastic(target_logits, trees, flat, st, stochastic, positions)
-    # The greedy path's one wait for the GPU: both results come back in one copy.
-    last_nodes, final_tokens = torch.stack([last_node, final_token]).tolist()
-    return [_result(tree, node - start, tok) for tree, start, node, tok
-            in zip(trees, flat.starts, last_nodes, final_tokens)]
-
-
-def _greedy(target_logits: Tensor, flat: FlatTrees) -> tuple[Tensor, Tensor]:
-    """Last accepted flat row [B] and the target argmax there [B]."""
-    target_argmax = argmax(target_logits)  # [G]
-    is_root = flat.parent < 0  # [G]
-    parent = flat.parent.clamp(min=0)  # [G]; roots point at row 0, masked by is_root
-    match = (flat.tokens == target_argmax[parent]) & flat.first_of_token  # [G], False at roots
-    on_path = match | is_root  # [G]
-    for _ in range(flat.max_depth):
-        # After d rounds every node of depth <= d knows whether its whole path matches.
-        on_path = (match & on_path[parent]) | is_root
-    # On-path nodes form one chain per tree and a descendant has a larger row: take the max.
-    node = torch.where(on_path, torch.arange(len(on_path), device=on_path.device), -1)  # [G]
-    last = torch.full((len(flat.starts),), -1, dtype=torch.int64, device=node.device)  # [B]
-    last = last.scatter_reduce(0, flat.request, node, reduce="amax")
-    return last, target_argmax[last]
+    flat = FlatTrees.build(trees, target_logits.device) if sampled else None
+    if flat is not None:
+        keyed = st.keyed_rows([t.draft_probs is None for t in trees])
+        if keyed:
+            assert positions is not None  # _check_shapes
+            rows = device_index(keyed, target_logits.device)  # [K]
+            last_node[rows], final_token[rows] = _keyed(target_logits, flat, st, keyed, [positions[b] for b in keyed])
+        stochastic = sorted(set(sampled) - set(keyed))
+        if stochastic:
+            rows = device_index(stochastic, target_logits.device)  # [S]
+            last_node[rows], final_token[rows] = _stochastic(target_logits, trees, flat, st, stochastic, positions)
+    # The one wait for the GPU: every result comes back in one copy.
+    values = torch.cat([picks, last_node, final_token]).tolist()
+    picked, last_nodes, final_tokens = values[:len(picks)], values[len(picks):-len(trees)], values[-len(trees):]
+    results, start = [], 0
+    for b, tree in enumerate(trees):
+        if greedy[b]:
+            accepted, tokens = tree.greedy_walk(picked[start:start + tree.num_nodes])
+            results.append(TreeResult(accepted_nodes=accepted, tokens=tokens))
+        else:
+            results.append(_result(tree, last_nodes[b] - start, final_tokens[b]))
+        start += tree.num_nodes
+    return results
 
 
 def _keyed(

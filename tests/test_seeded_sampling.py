@@ -134,6 +134,17 @@ def test_one_hot_drafts_commit_exactly_the_plain_tokens(params: SamplingParams, 
         assert speculative_decode(mine, companions(run), random.Random(run)) == expected
 
 
+def test_greedy_trees_commit_exactly_the_plain_tokens() -> None:
+    """verify()'s greedy route (one argmax, host walks) over chains, trees and lone roots,
+    batched with sampled companions."""
+    greedy = SamplingParams(temperature=0.0)
+    expected = plain_decode(greedy)
+    for run in range(3):
+        torch.manual_seed(run)
+        mine = Stream(new_request("mine", greedy), random.Random(f"greedy-{run}"), oracle=expected)
+        assert speculative_decode(mine, companions(run), random.Random(run)) == expected
+
+
 def test_guesses_are_accepted_and_rejected() -> None:
     """The trees above exercise both outcomes: some steps commit several tokens, some one."""
     seeded = SamplingParams(temperature=0.8, seed=5)
