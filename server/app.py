@@ -349,6 +349,7 @@ def _start(args: argparse.Namespace) -> _Server:
     """The server of these flags over a warmed-up engine; server flags are checked first,
     so a bad combination fails before the model loads."""
     from specdec.engine_args import engine_kwargs
+    from specdec.gc_heap import freeze_startup_heap
     from specdec.llm import LLM
     from specdec.warmup import warm_up
 
@@ -359,4 +360,5 @@ def _start(args: argparse.Namespace) -> _Server:
     warm_up(llm.engine)
     server = make_server(args, AsyncEngine(llm.engine), api_key)
     logger.info("%s", startup_summary(llm.engine, args.served_model_name or args.model))
+    logger.debug("froze %d start-up objects out of garbage collection", freeze_startup_heap())
     return server

@@ -54,11 +54,13 @@ class ReplicaSettings:
 
 def start_engine(settings: ReplicaSettings) -> Any:
     """The replica's LLMEngine, loaded and warmed up (blocking: run it off the event loop)."""
+    from specdec.gc_heap import freeze_startup_heap
     from specdec.llm import LLM
     from specdec.warmup import warm_up
 
     llm = LLM(settings.model, **settings.engine_kwargs)
     warm_up(llm.engine)
+    freeze_startup_heap()  # the replica's process lives as long as its engine
     return llm.engine
 
 
