@@ -31,6 +31,7 @@ class GuardedH11Protocol(H11Protocol):
     header_timeout: float = 10.0  # guarded_protocol() makes a subclass with the server's value
 
     _header_timer: asyncio.TimerHandle | None = None
+    _linger_timer: asyncio.TimerHandle | None = None
     _lingering = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -39,6 +40,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        if self._linger_timer is not None:  # the client closed first: nothing left to wait for
+            self._linger_timer.cancel()
+            self._linger_timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -105,7 +109,7 @@ class GuardedH11Protocol(H11Protocol):
         self._lingering = True
         if self.transport.can_write_eof():
             self.transport.write_eof()
-        self.loop.call_later(LINGER_SECONDS, self.transport.close)
+        self._linger_timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
 
 def guarded_protocol(header_timeout: float) -> type[GuardedH11Protocol]:

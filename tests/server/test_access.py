@@ -5,6 +5,7 @@ $SPECDEC_API_KEY are resolved as documented, each key (or address) has at most
 unaffected), and uvicorn really gets the connection flags."""
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -16,11 +17,12 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.server import ServerState
 
 from specdec.cli import build_parser
 from specdec.server.admission import resolve_api_key
 from specdec.server.app import uvicorn_config
-from specdec.server.connections import GuardedH11Protocol
+from specdec.server.connections import GuardedH11Protocol, guarded_protocol
 from tests.helpers import RunningServer, all_blocks_free, serve_in_thread, slow_engine_steps, start_streams, wait_until
 
 DOCS = ["/docs", "/redoc", "/openapi.json"]
@@ -239,3 +241,47 @@ def test_limit_concurrency(limited: RunningServer) -> None:
         for sock in idle:
             sock.close()
     assert wait_until(lambda: httpx.get(f"{limited.base_url}/health").status_code == 200)
+
+
+class _Transport(asyncio.Transport):
+    """Records what the protocol writes; closes when told."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written, self.eof, self.closed = b"", False, False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(name, default)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += bytes(data)
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_lingering_close_stops_waiting_when_the_client_closes_first() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        config = uvicorn.Config(FastAPI(), http=guarded_protocol(10.0))
+        config.load()
+        protocol = GuardedH11Protocol(config, ServerState(), {}, _loop=loop)
+        transport = _Transport()
+        protocol.connection_made(transport)
+        protocol.data_received(b"NOT HTTP AT ALL\r\n\r\n")
+        assert transport.written.startswith(b"HTTP/1.1 400 ") and transport.eof and not transport.closed
+        timer = protocol._linger_timer
+        assert timer is not None and not timer.cancelled()  # would close it LINGER_SECONDS on
+        protocol.connection_lost(None)
+        assert timer.cancelled() and protocol._linger_timer is None
+    finally:
+        loop.close()
