@@ -57,7 +57,7 @@ class _Step(ctypes.Structure):
                 ("positions", _P), ("slots", _P), ("num_slots", _I64), ("cache_dtype", ctypes.c_int32),
                 ("block_size", _I64), ("max_blocks", _I64), ("block_tables", _P), ("rows", _P), ("prefixes", _P),
                 ("extra_start", _P), ("extra", _P), ("group_start", _P), ("group_requests", _P),
-                ("num_groups", _I64), ("head_splits", _I64), ("num_threads", ctypes.c_int32)]
+                ("num_groups", _I64), ("head_splits", _I64), ("num_threads", ctypes.c_int32), ("final_norm", _P)]
 
 
 @dataclass(frozen=True)
@@ -124,12 +124,13 @@ def supports_cache(kv: PagedKV) -> bool:
 
 
 class DecoderLayers:
-    """A model's layers for the C++ loop. Holds the weights' tensors (their pointers stay
-    valid while it lives); the caller builds a new one after repacking them."""
+    """A model's layers and final norm for the C++ loop. Holds the weights' tensors (their
+    pointers stay valid while it lives); the caller builds a new one after repacking them."""
 
-    def __init__(self, shape: Shape, layers: list[LayerWeights]) -> None:
+    def __init__(self, shape: Shape, layers: list[LayerWeights], final_norm: Tensor) -> None:  # final_norm [hidden]
         self.shape = shape
         self._weights = layers  # kept alive: the structs point into them
+        self._final_norm = final_norm
         self._layers = (_Layer * len(layers))()
         for struct, layer in zip(self._layers, layers, strict=True):
             projections = [_projection(*pair) for pair in layer.projections]
@@ -142,7 +143,7 @@ class DecoderLayers:
 
     def run(
         self,
-        hidden: Tensor,  # [T, hidden] float32 contiguous: embeddings in, last layer's output out
+        hidden: Tensor,  # [T, hidden] float32 contiguous: embeddings in, the final norm's output out
         positions: Tensor,  # [T] int64
         rope_cos: Tensor,  # [P, D] float32: the model's whole table
         rope_sin: Tensor,  # [P, D] float32
@@ -161,7 +162,7 @@ class DecoderLayers:
                      rows.tables.data_ptr(), rows.rows.data_ptr(), rows.prefixes.data_ptr(),
                      rows.extra_start.data_ptr(), rows.extra.data_ptr(), rows.group_start.data_ptr(),
                      rows.group_requests.data_ptr(), rows.group_requests.numel(), rows.head_splits,
-                     torch.get_num_threads())
+                     torch.get_num_threads(), self._final_norm.data_ptr())
         run = cpu_build.function(_LIBRARY, "specdec_decoder_layers",
                                  [ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _I64, ctypes.POINTER(_Step), _P],
                                  ctypes.c_int32)

@@ -270,12 +270,12 @@ class LlamaForCausalLM(nn.Module):
         rows = plan.rows if isinstance(plan, CppPlan) else None  # None: the C++ attention cannot read the cache
         if rows is not None and (layers := self._layer_loop(kv_caches[0])) is not None:
             layers.run(hidden, positions, self.rope_cos, self.rope_sin, kv_caches, meta.slot_mapping, rows,
-                       self.config.head_dim**-0.5)
-        else:
-            cos = F.embedding(positions, self.rope_cos).unsqueeze(1)  # [T, 1, D]
-            sin = F.embedding(positions, self.rope_sin).unsqueeze(1)
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden = layer(hidden, cos, sin, kv_cache, attention, plan)
+                       self.config.head_dim**-0.5)  # the final norm included
+            return hidden
+        cos = F.embedding(positions, self.rope_cos).unsqueeze(1)  # [T, 1, D]
+        sin = F.embedding(positions, self.rope_sin).unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, attention, plan)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def _layer_loop(self, kv: PagedKV) -> decoder_cpu.DecoderLayers | None:
@@ -301,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         shape = decoder_cpu.Shape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                                   c.rms_norm_eps)
-        return decoder_cpu.DecoderLayers(shape, layers)
+        return decoder_cpu.DecoderLayers(shape, layers, self.norm)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.lm_head(hidden).float()
