@@ -360,5 +360,6 @@ def _start(args: argparse.Namespace) -> _Server:
     warm_up(llm.engine)
     server = make_server(args, AsyncEngine(llm.engine), api_key)
     logger.info("%s", startup_summary(llm.engine, args.served_model_name or args.model))
-    logger.debug("froze %d start-up objects out of garbage collection", freeze_startup_heap())
+    frozen = freeze_startup_heap()
+    logger.debug("froze %d start-up objects out of garbage collection", frozen)
     return server

@@ -159,9 +159,10 @@ int32_t mlp(const Kernels& kernels, const Layer& layer, const Step& s, float* hi
 extern "C" {
 
 // hidden: [tokens, hidden] float32, the embeddings in, the last layer's output after the
-// final norm out (in this call: Python's own rms_norm call cost ~0.25 ms a decode step,
-// its code cold after the weights streamed through the caches). Returns 0; 1 if a projection's kernel refused its format or this CPU;
-// 2 if a slot is outside the cache (nothing of that layer's K/V written).
+// final norm out (the norm is applied here because Python's own call cost ~0.25 ms a
+// decode step, its code cold after the weights streamed through the caches). Returns 0;
+// 1 if a projection's kernel refused its format or this CPU; 2 if a slot is outside the
+// cache (nothing of that layer's K/V written).
 int32_t specdec_decoder_layers(const Kernels* kernels, const Layer* layers, int64_t num_layers, const Step* step,
                                float* hidden) {
   const Step& s = *step;
