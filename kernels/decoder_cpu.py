@@ -3,16 +3,17 @@
 
 Driven from Python, a decode step of the default model (30 layers, about twelve small
 operations each) spends as long dispatching as multiplying. `DecoderLayers` holds what
-the C++ loop reads: the other kernels' entry points, and per layer its norms, its four
-projections as their kernels take them and its K/V cache. The loop calls exactly the
-kernels the Python forward calls (linear_quant, linear_fp16, rms_norm, store_kv, paged
-attention), so it stays batch invariant; specdec/models/llama.py's layer code is its
-reference (tests/kernels/test_decoder_cpu.py).
+the C++ loop reads: the other kernels' entry points, the token embedding table, and per
+layer its norms, its four projections as their kernels take them and its K/V cache. The
+loop calls exactly the kernels the Python forward calls (linear_quant and its exact row
+lookup, linear_fp16, rms_norm, store_kv, paged attention), so it stays batch invariant;
+its own arithmetic (RoPE, SiLU in vector lanes, the residual adds) is row-wise.
+specdec/models/llama.py's layer code is its reference (tests/kernels/test_decoder_cpu.py).
 
-`runs_projection` and `supports_cache` say what it runs: the linear backends
-"gguf"/q8_0/q4_0/q4_1 (one block segment per projection) or "cpp-fp16", and a cache the C++
-attention and K/V store read (fp32, fp16 or bf16); the model checks the rest (float32, no
-q/k norm).
+`runs_embedding`, `runs_projection` and `supports_cache` say what it runs: a float32 or
+one-segment GGUF embedding table, the linear backends "gguf"/q8_0/q4_0/q4_1 (one block
+segment per projection) or "cpp-fp16", and a cache the C++ attention and K/V store read
+(fp32, fp16 or bf16); the model checks the rest (float32, no q/k norm).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.linear_base import LinearBackend
 from specdec.kernels.linear_cpu import CppFp16Linear
 from specdec.kernels.linear_gguf import GgufLinear
+from specdec.kernels.quantized_tensor import QuantizedTensor
 from specdec.kernels.store_kv_cpu import CACHE_DTYPES
 
 _LIBRARY = "decoder_layers"
@@ -37,9 +39,12 @@ _I64 = ctypes.c_int64
 _KINDS = {"float32": 0, "int8": 1}  # GGUF blocks with these activations; 2: fp16 tiles
 
 
+_FLOAT_ROWS = -1  # an embedding table of float32 rows (else a linear_quant format id)
+
+
 class _Kernels(ctypes.Structure):
-    _fields_ = [("linear_quant", _P), ("linear_quant_int8", _P), ("linear_fp16", _P), ("rms_norm", _P),
-                ("store_kv", _P), ("attention", _P)]
+    _fields_ = [("linear_quant", _P), ("linear_quant_int8", _P), ("dequantize_rows", _P), ("linear_fp16", _P),
+                ("rms_norm", _P), ("store_kv", _P), ("attention", _P)]
 
 
 class _Projection(ctypes.Structure):
@@ -51,8 +56,13 @@ class _Layer(ctypes.Structure):
                 ("gate_up", _Projection), ("down", _Projection), ("k_cache", _P), ("v_cache", _P)]
 
 
+class _Embedding(ctypes.Structure):
+    _fields_ = [("format", ctypes.c_int32), ("table", _P), ("rows", _I64)]
+
+
 class _Step(ctypes.Structure):
-    _fields_ = [("tokens", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64),
+    _fields_ = [("token_ids", _P), ("embedding", _Embedding),
+                ("tokens", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _P), ("sin", _P),
                 ("positions", _P), ("slots", _P), ("num_slots", _I64), ("cache_dtype", ctypes.c_int32),
                 ("block_size", _I64), ("max_blocks", _I64), ("block_tables", _P), ("rows", _P), ("prefixes", _P),
@@ -117,6 +127,24 @@ def _ptr(tensor: Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+def runs_embedding(table: Tensor) -> bool:
+    """Whether the loop can look up rows of this [vocab, hidden] embedding table (see _embedding)."""
+    return _embedding(table) is not None
+
+
+def _embedding(table: Tensor) -> _Embedding | None:
+    """The C struct of an embedding table: float32 rows, or GGUF blocks in one segment
+    without padding; None for any other."""
+    if isinstance(table, QuantizedTensor):
+        if len(table.parts) != 1 or table.parts[0].padded_cols != table.parts[0].cols:
+            return None
+        part = table.parts[0]
+        return _Embedding(part.format_id, part.groups.data_ptr(), part.rows)
+    if table.dtype != torch.float32 or table.device.type != "cpu" or not table.is_contiguous():
+        return None
+    return _Embedding(_FLOAT_ROWS, table.data_ptr(), table.shape[0])
+
+
 def supports_cache(kv: PagedKV) -> bool:
     """Whether the loop's K/V store and attention read and write this cache."""
     return (kv.k.dtype in CACHE_DTYPES and kv.k_scale is None and kv.k.is_contiguous() and kv.v.is_contiguous()
@@ -124,11 +152,17 @@ def supports_cache(kv: PagedKV) -> bool:
 
 
 class DecoderLayers:
-    """A model's layers and final norm for the C++ loop. Holds the weights' tensors (their
-    pointers stay valid while it lives); the caller builds a new one after repacking them."""
+    """A model's token embedding, layers and final norm for the C++ loop. Holds the
+    weights' tensors (their pointers stay valid while it lives); the caller builds a new
+    one after repacking them."""
 
-    def __init__(self, shape: Shape, layers: list[LayerWeights], final_norm: Tensor) -> None:  # final_norm [hidden]
+    def __init__(self, shape: Shape, embedding: Tensor, layers: list[LayerWeights],
+                 final_norm: Tensor) -> None:  # embedding [vocab, hidden] passing runs_embedding; final_norm [hidden]
         self.shape = shape
+        table = _embedding(embedding)
+        if table is None:
+            raise ValueError("the embedding table is not one the C++ layer loop reads")
+        self._table, self._embedding = embedding, table  # the tensor kept alive: the struct points into it
         self._weights = layers  # kept alive: the structs point into them
         self._final_norm = final_norm
         self._layers = (_Layer * len(layers))()
@@ -143,7 +177,7 @@ class DecoderLayers:
 
     def run(
         self,
-        hidden: Tensor,  # [T, hidden] float32 contiguous: embeddings in, the final norm's output out
+        input_ids: Tensor,  # [T] int64
         positions: Tensor,  # [T] int64
         rope_cos: Tensor,  # [P, D] float32: the model's whole table
         rope_sin: Tensor,  # [P, D] float32
@@ -151,12 +185,14 @@ class DecoderLayers:
         slot_mapping: Tensor,  # [T] int64
         rows: CppRows,  # attention_cpu.plan_rows of this step
         scale: float,
-    ) -> None:
+    ) -> Tensor:  # [T, hidden] float32: the final norm's output
         self._point_at(kv_caches)
         kv = kv_caches[0]
         s = self.shape
-        positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
-        step = _Step(hidden.shape[0], s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, s.eps, scale,
+        input_ids, positions, slot_mapping = input_ids.contiguous(), positions.contiguous(), slot_mapping.contiguous()
+        hidden = torch.empty(input_ids.shape[0], s.hidden, dtype=torch.float32)
+        step = _Step(input_ids.data_ptr(), self._embedding,
+                     hidden.shape[0], s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, s.eps, scale,
                      rope_cos.data_ptr(), rope_sin.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
                      kv.k.shape[0] * kv.k.shape[1], CACHE_DTYPES[kv.k.dtype], kv.block_size, rows.tables.shape[1],
                      rows.tables.data_ptr(), rows.rows.data_ptr(), rows.prefixes.data_ptr(),
@@ -170,8 +206,12 @@ class DecoderLayers:
                      hidden.data_ptr())
         if status == 2:
             raise IndexError(f"a slot of {slot_mapping.tolist()} is outside the cache's {step.num_slots} slots")
+        if status == 3:
+            raise IndexError(f"a token id of {input_ids.tolist()} is outside the embedding's "
+                             f"{self._embedding.rows} rows")
         if status != 0:
             raise ValueError("the quantized linear kernel has no variant for this CPU")
+        return hidden
 
     def _point_at(self, kv_caches: list[PagedKV]) -> None:
         caches = tuple(ptr for kv in kv_caches for ptr in (kv.k.data_ptr(), kv.v.data_ptr()))
@@ -187,6 +227,7 @@ def _kernels() -> _Kernels:
 
     return _Kernels(address("linear_quant", "specdec_linear_quant"),
                     address("linear_quant", "specdec_linear_quant_int8"),
+                    address("linear_quant", "specdec_quant_dequantize_rows"),
                     address("linear_fp16", "specdec_linear_fp16"), address("rms_norm", "specdec_rms_norm"),
                     address("store_kv", "specdec_store_kv"), address("paged_attention", "specdec_paged_attention_rows"))
 

@@ -1,6 +1,8 @@
 """What one forward over a flattened batch tells the attention kernels."""
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +43,16 @@ class AttentionMetadata:
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
 
+    @functools.cached_property
+    def query_starts_cpu(self) -> list[int]:  # [B] query_start_loc[:-1], summed on the host
+        return list(itertools.accumulate(self.query_lens_cpu, initial=0))[:-1]
+
     def visible_keys(self, b: int) -> list[tuple[int, int, list[int]]]:
         """(query row, prefix, extra positions) per query token of request b: the row sees
         the request's first `prefix` positions, then the extra ones (a tree node off its
         tree's first path: its ancestors among the query tokens, after the cached context)."""
         q_len, seq_len = self.query_lens_cpu[b], self.seq_lens_cpu[b]
-        context, start = seq_len - q_len, int(self.query_start_loc[b])
+        context, start = seq_len - q_len, self.query_starts_cpu[b]
         if self.tree_mask is None:
             return [(start + i, context + i + 1, []) for i in range(q_len)]
         sees = self.tree_mask[start : start + q_len, :q_len].tolist()  # [q_len][q_len] bool

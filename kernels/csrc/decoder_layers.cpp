@@ -2,17 +2,26 @@
 //
 // A 135M model's decode step runs 30 layers of about twelve small operations each; driven
 // from Python, their dispatch costs as much as the matrix products. Here one call runs
-// them all. It does no arithmetic of its own beyond RoPE, SiLU and the residual adds: the
-// projections, norms, K/V stores and attention are the other kernels' C functions, handed
-// over as pointers, so each computes exactly what it computes when Python calls it.
+// them all, from the embedding lookup to the final norm. It does no arithmetic of its own
+// beyond RoPE, SiLU and the residual adds: the embedding rows, projections, norms, K/V
+// stores and attention are the other kernels' C functions, handed over as pointers, so
+// each computes exactly what it computes when Python calls it.
 //
 // Every operation is row-wise or row-invariant, so a token's result does not depend on
 // the other tokens of the step: speculation's verify rows equal plain decoding's.
-#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
+#include "lanes.h"
+
 namespace {
+
+using specdec::exp_nonpositive;
+using specdec::kLanes;
+using specdec::Lanes;
+using specdec::load;
+using specdec::store;
 
 using LinearQuantFn = int32_t (*)(int32_t, int32_t, const float*, int64_t, int64_t, const uint8_t*, int64_t,
                                   const float*, float*, int64_t, int32_t);
@@ -21,6 +30,7 @@ using LinearFp16Fn = void (*)(const float*, int64_t, int64_t, const uint16_t*, i
 using RmsNormFn = void (*)(const float*, const float*, float, float*, int64_t, int64_t, int32_t);
 using StoreKvFn = int64_t (*)(const float*, int64_t, const float*, int64_t, void*, void*, int32_t, const int64_t*,
                               int64_t, int64_t, int64_t, int32_t);
+using DequantizeRowsFn = int32_t (*)(int32_t, const uint8_t*, int64_t, const int64_t*, int64_t, float*);
 using AttentionFn = void (*)(const float*, float*, const void*, const void*, const float*, const float*, int32_t,
                              const int32_t*, const int64_t*, const int64_t*, const int64_t*, const int64_t*,
                              const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -34,6 +44,7 @@ extern "C" {
 // store_kv.cpp, paged_attention.cpp).
 struct Kernels {
   LinearQuantFn linear_quant, linear_quant_int8;
+  DequantizeRowsFn dequantize_rows;
   LinearFp16Fn linear_fp16;
   RmsNormFn rms_norm;
   StoreKvFn store_kv;
@@ -57,7 +68,18 @@ struct Layer {
   void *k_cache, *v_cache;  // [num_slots, Hkv * D] in the step's cache dtype
 };
 
+// The token embedding table: float32 rows (format kFloatRows) or GGUF blocks in
+// linear_quant's layout (a linear_quant format id), `rows` rows of `hidden` values.
+constexpr int32_t kFloatRows = -1;
+struct Embedding {
+  int32_t format;
+  const void* table;
+  int64_t rows;
+};
+
 struct Step {
+  const int64_t* token_ids;  // [tokens]
+  Embedding embedding;
   int64_t tokens, hidden, num_heads, num_kv_heads, head_dim, intermediate;
   float eps, scale;
   const float *cos, *sin;  // [max_positions, D]: rope_cache's tables (sin signed)
@@ -107,13 +129,30 @@ void rope(const float* src, int64_t heads, int64_t d, const float* cos, const fl
     }
 }
 
-// out[t] = silu(gate[t]) * up[t], gate and up the halves of each row of gate_up.
+// silu(g) * u = g / (1 + exp(-g)) * u, from e = exp(-|g|), which never overflows:
+// g / (1 + e) for g >= 0, g e / (1 + e) below.
+inline Lanes silu_mul(Lanes g, Lanes u) {
+  const Lanes e = exp_nonpositive(g < 0 ? g : -g);
+  const Lanes one = Lanes{} + 1.0f;
+  return g * (g < 0 ? e : one) / (one + e) * u;
+}
+
+// out[t] = silu(gate[t]) * up[t], gate and up the halves of each row of gate_up. In
+// lanes: a scalar loop of libm's expf took ~4% of a decode step.
 void silu_mul(const float* gate_up, int64_t tokens, int64_t width, float* out) {
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t i = 0; i < width; ++i) {
-      const float g = gate_up[t * 2 * width + i];
-      out[t * width + i] = g / (1.0f + std::exp(-g)) * gate_up[t * 2 * width + width + i];
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float *gate = gate_up + t * 2 * width, *up = gate + width;
+    float* row = out + t * width;
+    int64_t i = 0;
+    for (; i + kLanes <= width; i += kLanes) store(row + i, silu_mul(load(gate + i), load(up + i)));
+    if (i < width) {  // the tail through the same vector code, so every element rounds alike
+      float g[kLanes] = {}, u[kLanes] = {}, r[kLanes];
+      std::memcpy(g, gate + i, (width - i) * sizeof(float));
+      std::memcpy(u, up + i, (width - i) * sizeof(float));
+      store(r, silu_mul(load(g), load(u)));
+      std::memcpy(row + i, r, (width - i) * sizeof(float));
     }
+  }
 }
 
 void add(float* x, const float* y, int64_t n) {
@@ -154,15 +193,30 @@ int32_t mlp(const Kernels& kernels, const Layer& layer, const Step& s, float* hi
   return 0;
 }
 
+// hidden[t] = the embedding of token_ids[t] (exact dequantized values). Returns false if
+// an id is outside the table (nothing written).
+bool embed(const Kernels& kernels, const Step& s, float* hidden) {
+  for (int64_t t = 0; t < s.tokens; ++t)
+    if (s.token_ids[t] < 0 || s.token_ids[t] >= s.embedding.rows) return false;
+  const Embedding& e = s.embedding;
+  if (e.format != kFloatRows) return kernels.dequantize_rows(e.format, static_cast<const uint8_t*>(e.table), s.hidden,
+                                                             s.token_ids, s.tokens, hidden) == 0;
+  for (int64_t t = 0; t < s.tokens; ++t)
+    std::memcpy(hidden + t * s.hidden, static_cast<const float*>(e.table) + s.token_ids[t] * s.hidden,
+                s.hidden * sizeof(float));
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
 
-// hidden: [tokens, hidden] float32, the embeddings in, the last layer's output after the
-// final norm out (the norm is applied here because Python's own call cost ~0.25 ms a
-// decode step, its code cold after the weights streamed through the caches). Returns 0;
-// 1 if a projection's kernel refused its format or this CPU; 2 if a slot is outside the
-// cache (nothing of that layer's K/V written).
+// hidden: [tokens, hidden] float32, written: the embeddings of the step's tokens, run
+// through every layer and the final norm (looked up and normed here because each of
+// Python's own calls cost ~0.15-0.25 ms a decode step, its code cold after the weights
+// streamed through the caches). Returns 0; 1 if a projection's kernel refused its format
+// or this CPU; 2 if a slot is outside the cache (nothing of that layer's K/V written); 3
+// if a token id is outside the embedding table (nothing run).
 int32_t specdec_decoder_layers(const Kernels* kernels, const Layer* layers, int64_t num_layers, const Step* step,
                                float* hidden) {
   const Step& s = *step;
@@ -177,6 +231,7 @@ int32_t specdec_decoder_layers(const Kernels* kernels, const Layer* layers, int6
   b.out.resize(T * s.hidden);
   b.gate_up.resize(T * 2 * s.intermediate);
   b.act.resize(T * s.intermediate);
+  if (!embed(*kernels, s, hidden)) return 3;
   int32_t status = 0;
   for (int64_t i = 0; i < num_layers && status == 0; ++i) {
     status = attend(*kernels, layers[i], s, hidden, b);

@@ -62,6 +62,24 @@ inline Lanes load(const BFloat16* p) {
   return reinterpret_cast<Lanes>(__builtin_convertvector(bits, WordLanes) << 16);
 }
 
+// exp(x) for x <= 0, Cephes' polynomial: about 1 ulp (x below -87 is taken as -87).
+inline Lanes exp_nonpositive(Lanes x) {
+  const Lanes low = Lanes{} - 87.0f;
+  x = x < low ? low : x;
+  const Lanes t = x * 1.44269504088896341f + 0.5f;
+  IntLanes n = __builtin_convertvector(t, IntLanes);  // truncates toward zero
+  n += (__builtin_convertvector(n, Lanes) > t);       // to floor: true lanes are -1
+  const Lanes nf = __builtin_convertvector(n, Lanes);
+  const Lanes r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  Lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * reinterpret_cast<Lanes>((n + 127) << 23);
+}
+
 // Asks for the cache lines of `bytes` bytes from p ahead of use (never faults).
 inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char*>(p) + offset);

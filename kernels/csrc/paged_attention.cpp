@@ -23,7 +23,7 @@ namespace {
 
 using specdec::BFloat16;
 using specdec::Half;
-using specdec::IntLanes;
+using specdec::exp_nonpositive;
 using specdec::kLanes;
 using specdec::Lanes;
 using specdec::load;
@@ -83,24 +83,6 @@ inline Lanes sum_lanes4(Lanes a, Lanes b, Lanes c, Lanes d) {
   v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
 #endif
   return v;
-}
-
-// exp(x) for x <= 0 (scores minus their max), Cephes' polynomial: about 1 ulp.
-inline Lanes exp_nonpositive(Lanes x) {
-  const Lanes low = Lanes{} - 87.0f;
-  x = x < low ? low : x;
-  const Lanes t = x * 1.44269504088896341f + 0.5f;
-  IntLanes n = __builtin_convertvector(t, IntLanes);  // truncates toward zero
-  n += (__builtin_convertvector(n, Lanes) > t);       // to floor: true lanes are -1
-  const Lanes nf = __builtin_convertvector(n, Lanes);
-  const Lanes r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  Lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * reinterpret_cast<Lanes>((n + 127) << 23);
 }
 
 // row[0:n] = exp(row - top); returns their sum.

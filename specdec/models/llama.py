@@ -14,8 +14,9 @@ Written for batch-1 CPU decoding, where Python and per-op overhead rival the mat
 - Attention goes through the model's attention backend (kernels/attention.py), chosen
   once: it plans each step once (`plan`), then every layer stores its K/V and attends.
 - On the CPU, where every projection, the attention and the K/V store have C++ kernels,
-  all layers run in one C++ call (kernels/decoder_cpu.py) calling those same kernels;
-  this module's layer code is then its reference (`cpu_layer_loop = False` runs it).
+  the embedding lookup, all layers and the final norm run in one C++ call
+  (kernels/decoder_cpu.py) calling those same kernels; this module's code is then its
+  reference (`cpu_layer_loop = False` runs it).
 Parameters have requires_grad=False: this is an inference engine, and it keeps autograd
 out of the way even when a caller forgets torch.inference_mode().
 """
@@ -218,6 +219,7 @@ class LlamaForCausalLM(nn.Module):
         # The loop built for the projections' current packings (None: cannot run them).
         self._decoder_layers: decoder_cpu.DecoderLayers | None = None
         self._loop_installs = -1  # PackedLinear.installs when it was built
+        self._loop_table: Tensor | None = None  # the embedding table it was built for
 
     def _init_rope(
         self,
@@ -264,14 +266,13 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[PagedKV],  # one per layer
         meta: AttentionMetadata,
     ) -> Tensor:  # [T, hidden], after the final norm
-        hidden = F.embedding(input_ids, self.embed_tokens)
         attention = self.attention_backend
         plan = attention.plan(meta, kv_caches[0])  # once per step, for every layer
         rows = plan.rows if isinstance(plan, CppPlan) else None  # None: the C++ attention cannot read the cache
         if rows is not None and (layers := self._layer_loop(kv_caches[0])) is not None:
-            layers.run(hidden, positions, self.rope_cos, self.rope_sin, kv_caches, meta.slot_mapping, rows,
-                       self.config.head_dim**-0.5)  # the final norm included
-            return hidden
+            return layers.run(input_ids, positions, self.rope_cos, self.rope_sin, kv_caches, meta.slot_mapping, rows,
+                              self.config.head_dim**-0.5)  # the embedding and the final norm included
+        hidden = F.embedding(input_ids, self.embed_tokens)
         cos = F.embedding(positions, self.rope_cos).unsqueeze(1)  # [T, 1, D]
         sin = F.embedding(positions, self.rope_sin).unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -283,15 +284,16 @@ class LlamaForCausalLM(nn.Module):
         which does not depend on the step's tokens, so decode and verify take the same path."""
         if not (self.cpu_layer_loop and decoder_cpu.supports_cache(kv)):
             return None
-        if self._loop_installs != PackedLinear.installs:  # a projection (maybe another model's) was repacked
-            self._loop_installs = PackedLinear.installs
+        # Rebuilt when a projection (maybe another model's) was repacked or the table replaced.
+        if self._loop_installs != PackedLinear.installs or self._loop_table is not self.embed_tokens:
+            self._loop_installs, self._loop_table = PackedLinear.installs, self.embed_tokens
             self._decoder_layers = self._build_layer_loop()
         return self._decoder_layers
 
     def _build_layer_loop(self) -> decoder_cpu.DecoderLayers | None:
         first = self.layers[0]
-        if (self.dtype != torch.float32 or self.embed_tokens.device.type != "cpu" or first.qk_norm is not None
-                or not decoder_cpu.builds()):
+        if (self.dtype != torch.float32 or first.qk_norm is not None or not decoder_cpu.builds()
+                or not decoder_cpu.runs_embedding(self.embed_tokens)):
             return None
         layers = [decoder_cpu.LayerWeights(layer.input_norm, layer.post_attn_norm, tuple(
             (linear.backend, linear.packed) for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
@@ -301,7 +303,7 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         shape = decoder_cpu.Shape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                                   c.rms_norm_eps)
-        return decoder_cpu.DecoderLayers(shape, layers, self.norm)
+        return decoder_cpu.DecoderLayers(shape, self.embed_tokens, layers, self.norm)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.lm_head(hidden).float()

@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from specdec import LLM
 from specdec.kernels import decoder_cpu
 from specdec.kernels.attention import make_attention_backend
+from specdec.kernels.gguf_blocks import quantize
 from specdec.kernels.linear import Fp32Linear, get_linear_backend
 from specdec.kernels.linear_gguf import GgufLinear
+from specdec.kernels.quantized_tensor import QuantizedTensor
 from specdec.models import LlamaForCausalLM, load_model
 from specdec.models.linear import install_linears, pack_linears
 from tests.fixtures import make_checkpoint
@@ -209,6 +211,57 @@ def test_a_slot_outside_the_cache_is_refused(model: LlamaForCausalLM) -> None:
             model(torch.tensor([5, 6, 7]), torch.arange(3), caches, meta)
     finally:
         model.use_linear_backend(Fp32Linear())
+
+
+def test_an_mlp_width_off_the_vector_width_takes_the_silu_tail(tmp_path: Path) -> None:
+    """Intermediate size 100: SiLU's last 4 values go through its tail (8 or 16 lanes)."""
+    odd = load_model(make_checkpoint(tmp_path, head_dim=32, intermediate_size=100), attention_backend="cpp")
+    odd.use_linear_backend(get_linear_backend("cpp-fp16"))
+    ids = torch.randint(3, odd.config.vocab_size, (14,), generator=torch.Generator().manual_seed(5))
+    expected = _steps(odd, ids, loop=False)
+    got = _steps(odd, ids, loop=True)
+    assert isinstance(odd._decoder_layers, decoder_cpu.DecoderLayers)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_token_outside_the_embedding_is_refused(model: LlamaForCausalLM) -> None:
+    c = model.config
+    caches = make_kv_caches(c.num_layers, 2, 4, c.num_kv_heads, c.head_dim)
+    try:
+        model.use_linear_backend(get_linear_backend("cpp-fp16"))
+        for bad in (c.vocab_size, -1):
+            with torch.inference_mode(), pytest.raises(IndexError, match=f"outside the embedding's {c.vocab_size} rows"):
+                model(torch.tensor([5, bad, 7]), torch.arange(3), caches, single_request_meta(0, 3, [0], 4))
+    finally:
+        model.use_linear_backend(Fp32Linear())
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
+def test_a_quantized_embedding_table_is_looked_up_in_the_loop(model: LlamaForCausalLM, qtype: str) -> None:
+    """A GGUF model's table stays in its blocks; the loop dequantizes the step's rows as
+    torch's F.embedding does on it."""
+    ids = torch.randint(3, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(4))
+    table = model.embed_tokens
+    try:
+        model.embed_tokens = nn.Parameter(QuantizedTensor([quantize(table.detach(), qtype)]), requires_grad=False)
+        model.use_linear_backend(get_linear_backend("cpp-fp16"))
+        expected = _steps(model, ids, loop=False)
+        got = _steps(model, ids, loop=True)
+        assert isinstance(model._decoder_layers, decoder_cpu.DecoderLayers)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    finally:
+        model.embed_tokens = table
+        model.cpu_layer_loop = True
+        model.use_linear_backend(Fp32Linear())
+
+
+def test_an_embedding_the_loop_cannot_read_stays_in_python() -> None:
+    parts = [quantize(torch.randn(8, 64), "q8_0"), quantize(torch.randn(8, 64), "q4_1")]
+    assert not decoder_cpu.runs_embedding(QuantizedTensor(parts))  # two block types: two segments
+    assert decoder_cpu.runs_embedding(QuantizedTensor(parts[:1]))
+    assert not decoder_cpu.runs_embedding(torch.randn(64, 8).t())  # not contiguous
+    assert not decoder_cpu.runs_embedding(torch.randn(8, 64, dtype=torch.float16))
 
 
 def test_mixed_segments_are_not_run_by_the_loop() -> None:
