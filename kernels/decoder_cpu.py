@@ -189,7 +189,8 @@ class DecoderLayers:
         self._point_at(kv_caches)
         kv = kv_caches[0]
         s = self.shape
-        input_ids, positions, slot_mapping = input_ids.contiguous(), positions.contiguous(), slot_mapping.contiguous()
+        input_ids = input_ids.to(torch.int64).contiguous()
+        positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
         hidden = torch.empty(input_ids.shape[0], s.hidden, dtype=torch.float32)
         step = _Step(input_ids.data_ptr(), self._embedding,
                      hidden.shape[0], s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, s.eps, scale,
@@ -207,8 +208,8 @@ class DecoderLayers:
         if status == 2:
             raise IndexError(f"a slot of {slot_mapping.tolist()} is outside the cache's {step.num_slots} slots")
         if status == 3:
-            raise IndexError(f"a token id of {input_ids.tolist()} is outside the embedding's "
-                             f"{self._embedding.rows} rows")
+            bad = input_ids[(input_ids < 0) | (input_ids >= self._embedding.rows)]
+            raise IndexError(f"token id {int(bad[0])} is outside the embedding's {self._embedding.rows} rows")
         if status != 0:
             raise ValueError("the quantized linear kernel has no variant for this CPU")
         return hidden
