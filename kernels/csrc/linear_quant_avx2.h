@@ -165,7 +165,7 @@ struct Q6X : Halves<Q6X> {
   }
 };
 
-// tile() (linear_quant_tile.h) for R >= kHalfPassRows rows: lanes 0-7 of every unit over
+// What one_pass_tile() (linear_quant_tile.h) computes, for R >= kHalfPassRows rows: lanes 0-7 of every unit over
 // all blocks, then lanes 8-15, and the two halves summed as reduce() sums a Unit's.
 template <class Block, int R, int C>
 void half_tile(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, int64_t first, float* out,

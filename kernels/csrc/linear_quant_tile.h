@@ -15,14 +15,10 @@ using TileFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t,
 // out[r * ldo + c] = sum_k x[r * ldx + k] * w_{first + c}[k] (+ bias[c]) for R rows and C
 // output columns: rows first .. first + C - 1 of the group of W at w
 // (linear_quant_blocks.h); only columns c < cols are stored. Each block is decoded once,
-// a unit (16 weights) at a time, and used by every row of the tile (an ISA whose unit
-// spans two registers runs R >= kHalfPassRows rows in its half_tile: half a unit at a time).
+// a unit (16 weights) at a time, and used by every row of the tile.
 template <class Block, int R, int C>
-void tile(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, int64_t first, float* out, int64_t ldo,
-          const float* bias, int64_t cols) {
-  if constexpr (R >= kHalfPassRows) {
-    return half_tile<Block, R, C>(x, ldx, blocks, w, first, out, ldo, bias, cols);
-  }
+void one_pass_tile(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, int64_t first, float* out,
+                   int64_t ldo, const float* bias, int64_t cols) {
   constexpr int64_t kStep = kGroup * Block::kBytes;  // bytes from one block of a row to its next
   Unit acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -59,12 +55,18 @@ void tile(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, int64_t
     }
 }
 
+// The tile function for R rows: one_pass_tile, or on an ISA whose unit spans two registers
+// half_tile for R >= kHalfPassRows (half a unit at a time); only the one picked is compiled.
 template <class Block, int C, int R = 1>
 TileFn pick(int64_t rows) {
   if constexpr (R < max_rows(C)) {
     if (rows > R) return pick<Block, C, R + 1>(rows);
   }
-  return tile<Block, R, C>;
+  if constexpr (R >= kHalfPassRows) {
+    return half_tile<Block, R, C>;
+  } else {
+    return one_pass_tile<Block, R, C>;
+  }
 }
 
 // out[M, N] (row stride ldo) = x[M, K] @ W^T (+ bias) with tiles of C columns. Each
