@@ -82,17 +82,22 @@ def _steps(model: LlamaForCausalLM, ids: Tensor, loop: bool) -> Tensor:
     return torch.cat(out)
 
 
+def _assert_the_loop_matches_python(model: LlamaForCausalLM, ids: Tensor) -> None:
+    """The loop's logits (it must run) against the Python layers' on the same steps."""
+    expected = _steps(model, ids, loop=False)
+    got = _steps(model, ids, loop=True)
+    assert isinstance(model._decoder_layers, decoder_cpu.DecoderLayers)
+    # RoPE, SiLU and the adds are the loop's own float32 arithmetic: equal up to rounding.
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
 @pytest.mark.parametrize("name,int8", BACKENDS)
 def test_the_loop_gives_the_python_layers_logits(model: LlamaForCausalLM, name: str, int8: bool) -> None:
     ids = torch.randint(3, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(1))
     try:
         _use(model, name, int8)
-        expected = _steps(model, ids, loop=False)
-        got = _steps(model, ids, loop=True)
-        assert isinstance(model._decoder_layers, decoder_cpu.DecoderLayers)
-        # RoPE, SiLU and the adds are the loop's own float32 arithmetic: equal up to rounding.
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        _assert_the_loop_matches_python(model, ids)
     finally:
         model.cpu_layer_loop = True
         model.use_linear_backend(Fp32Linear())
@@ -218,10 +223,7 @@ def test_an_mlp_width_off_the_vector_width_takes_the_silu_tail(tmp_path: Path) -
     odd = load_model(make_checkpoint(tmp_path, head_dim=32, intermediate_size=100), attention_backend="cpp")
     odd.use_linear_backend(get_linear_backend("cpp-fp16"))
     ids = torch.randint(3, odd.config.vocab_size, (14,), generator=torch.Generator().manual_seed(5))
-    expected = _steps(odd, ids, loop=False)
-    got = _steps(odd, ids, loop=True)
-    assert isinstance(odd._decoder_layers, decoder_cpu.DecoderLayers)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    _assert_the_loop_matches_python(odd, ids)
 
 
 def test_a_token_outside_the_embedding_is_refused(model: LlamaForCausalLM) -> None:
@@ -245,11 +247,7 @@ def test_a_quantized_embedding_table_is_looked_up_in_the_loop(model: LlamaForCau
     try:
         model.embed_tokens = nn.Parameter(QuantizedTensor([quantize(table.detach(), qtype)]), requires_grad=False)
         model.use_linear_backend(get_linear_backend("cpp-fp16"))
-        expected = _steps(model, ids, loop=False)
-        got = _steps(model, ids, loop=True)
-        assert isinstance(model._decoder_layers, decoder_cpu.DecoderLayers)
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        _assert_the_loop_matches_python(model, ids)
     finally:
         model.embed_tokens = table
         model.cpu_layer_loop = True
