@@ -17,6 +17,7 @@ from tqdm import tqdm
 from specdec.chat_utils import Conversation, render_chat
 from specdec.config import EngineConfig, engine_options
 from specdec.engine import LLMEngine
+from specdec.gc_heap import collect_startup_garbage
 from specdec.model_registry import DEFAULT_MODEL
 from specdec.outputs import RequestOutput
 from specdec.parallel_sampling import ParentRequest, Prompt
@@ -137,7 +138,9 @@ def build_engine(model: str, options: dict[str, Any]) -> LLMEngine:
     """The engine `LLM(model, **options)` runs (AsyncLLM builds its own the same way)."""
     config = EngineConfig(model=model, **_checked_options(options))
     torch.manual_seed(config.seed)
-    return LLMEngine(config)
+    engine = LLMEngine(config)
+    collect_startup_garbage()
+    return engine
 
 
 def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
