@@ -81,10 +81,19 @@ def make_output(request: Request) -> RequestOutput:
         prompt_token_ids=request.prompt_token_ids,
         outputs=[completion],
         finished=request.finish_reason is not None,
-        metrics={"num_cached_tokens": float(request.num_cached_tokens),
-                 "num_preemptions": float(request.num_preemptions)},
+        metrics=_metrics(request),
         error=request.error,
     )
+
+
+def _metrics(request: Request) -> dict[str, float]:
+    """Per-request counters, and vLLM v1's `first_token_latency` (seconds from arrival to
+    the first output token) once a token is out."""
+    metrics = {"num_cached_tokens": float(request.num_cached_tokens),
+               "num_preemptions": float(request.num_preemptions)}
+    if request.first_token_latency is not None:
+        metrics["first_token_latency"] = request.first_token_latency
+    return metrics
 
 
 def cumulative_logprob(logprobs: SampleLogprobs, token_ids: list[int]) -> float:

@@ -53,7 +53,7 @@ class Request:
         self.error: str | None = None
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
+        self.first_token_time: float | None = None  # monotonic, once the first output token is committed
         # A sequential stream for a drafter that samples its own guesses (the draft model's
         # shadow requests). The verifier does not use it: a seeded request's target draws
         # are keyed by position (specdec.sampler.keyed_generator), whatever was drafted.
@@ -83,9 +83,16 @@ class Request:
         return self.num_tokens - self.num_computed_tokens == 1
 
     def append_token(self, token_id: int) -> str:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         return self.detokenizer.append(token_id) if self.detokenizer else ""
+
+    @property
+    def first_token_latency(self) -> float | None:
+        """Seconds from arrival to the first output token (queueing and prefill), once there is one."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
     def text(self) -> str:

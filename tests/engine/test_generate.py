@@ -100,3 +100,17 @@ def test_each_token_costs_one_step(tiny_model_dir) -> None:  # type: ignore[no-u
     llm = LLM(str(tiny_model_dir), max_model_len=256)
     llm.generate([PROMPTS[1]], GREEDY)
     assert llm.get_metrics()["num_steps"] == GREEDY.max_tokens
+
+
+def test_outputs_report_first_token_latency(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    llm = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
+    start = time.monotonic()
+    out = llm.generate(PROMPTS[:2], GREEDY)
+    wall = time.monotonic() - start
+    latencies = [o.metrics["first_token_latency"] for o in out]
+    assert all(0 < latency <= wall for latency in latencies)
+    engine = llm.engine
+    engine.add_request("queued", token_ids(out)[0][:4], SamplingParams(temperature=0.0, max_tokens=4))
+    assert "first_token_latency" not in engine.abort_request("queued").metrics  # no token yet: not reported
