@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from specdec.drafters.base import Drafter, DraftRequest
-from specdec.evals.acceptance_run import load_prompts
+from specdec.evals.acceptance_run import converse, load_prompts
 from specdec.evals.common import markdown_table
 from specdec.llm import LLM
 from specdec.model_registry import DEFAULT_MODEL
@@ -70,29 +69,28 @@ class Conversation:
 
 def run_plain(llm: LLM, turns: list[str], params: SamplingParams) -> tuple[Conversation, float]:
     """The conversation decoded plainly, and the seconds its generate calls took."""
-    conversation, seconds = Conversation(), 0.0
-    messages: list[dict[str, str]] = []
-    for turn in turns:
-        messages.append({"role": "user", "content": turn})
-        prompt = llm.apply_chat_template(messages)
-        start = time.perf_counter()
+    conversation = Conversation()
+
+    def generate(prompt: list[int]) -> tuple[list[int], str]:
         out = llm.generate([prompt], params, use_speculation=False)[0].outputs[0]
-        seconds += time.perf_counter() - start
-        messages.append({"role": "assistant", "content": out.text})
         conversation.prompts.append(prompt)
-        conversation.outputs.append(list(out.token_ids))
-    return conversation, seconds
+        return list(out.token_ids), out.text
+
+    run = converse(turns, llm.apply_chat_template, generate)
+    conversation.outputs = run.token_ids
+    return conversation, run.seconds
 
 
 def replay(llm: LLM, conversation: Conversation, params: SamplingParams,
-           before_turn: Callable[[list[int], list[int]], bool]) -> tuple[list[list[int]], float]:
-    """The conversation's prompts generated again (speculating when `before_turn`, called
-    with each turn's prompt and plain output, says so); their outputs and seconds."""
+           oracle: OracleDrafter | None) -> tuple[list[list[int]], float]:
+    """The conversation's prompts generated again, plainly or (oracle given) with the
+    oracle expecting each turn's plain output; their outputs and seconds."""
     outputs, seconds = [], 0.0
     for prompt, expected in zip(conversation.prompts, conversation.outputs):
-        speculative = before_turn(prompt, expected)
+        if oracle is not None:
+            oracle.expected = prompt + expected
         start = time.perf_counter()
-        out = llm.generate([prompt], params, use_speculation=speculative)[0].outputs[0]
+        out = llm.generate([prompt], params, use_speculation=oracle is not None)[0].outputs[0]
         seconds += time.perf_counter() - start
         outputs.append(list(out.token_ids))
     return outputs, seconds
@@ -125,16 +123,11 @@ def measure(llm: LLM, oracle: OracleDrafter, turns: list[str], depths: list[int]
     oracle_seconds, differ = {}, 0
     for depth in depths:
         oracle.depth = depth
-
-        def expect(prompt: list[int], expected: list[int]) -> bool:
-            oracle.expected = prompt + expected
-            return True
-
         blocks.forget_cached(cached_before)
-        outputs, oracle_seconds[depth] = replay(llm, conversation, params, expect)
+        outputs, oracle_seconds[depth] = replay(llm, conversation, params, oracle)
         differ += outputs != conversation.outputs
     blocks.forget_cached(cached_before)
-    _, plain_again = replay(llm, conversation, params, lambda p, e: False)
+    _, plain_again = replay(llm, conversation, params, None)
     return {"tokens": conversation.num_tokens, "turns": len(turns), "plain": (plain + plain_again) / 2,
             "prefill": prefill, "oracle": oracle_seconds, "differ": differ}
 
