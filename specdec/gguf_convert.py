@@ -33,10 +33,13 @@ _GLOBAL_NAMES = {
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write an HF directory for a llama-architecture GGUF; atomic (tmp dir, then rename).
     A manifest records every file's sha256, so loading catches later damage (named after
-    out_dir, the known model it is pulled as)."""
+    out_dir, the known model it is pulled as). GGUFFileError for a truncated or corrupt file."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from specdec.models.gguf_loader import check_gguf  # it imports this module
+
+    check_gguf(gguf_path)
     meta = load_gguf_checkpoint(str(gguf_path))
     config = meta["config"]
     if config.get("model_type") != "llama":

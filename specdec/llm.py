@@ -1,7 +1,9 @@
 """The offline Python API, shaped like vLLM's `LLM`, and the prompt forms it takes.
 
 A prompt is a string, a list of token ids, or one of vLLM's prompt dicts:
-`{"prompt": "text"}` or `{"prompt_token_ids": [1, 2, 3]}`.
+`{"prompt": "text"}` or `{"prompt_token_ids": [1, 2, 3]}`. Prompts and sampling params
+are checked when `generate` or `chat` is called, before any request runs: a bad one is
+named (`prompts[2]`, `sampling_params`) by a ValueError, or a TypeError for a wrong type.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from specdec.gc_heap import collect_startup_garbage
 from specdec.model_registry import DEFAULT_MODEL
 from specdec.outputs import RequestOutput
 from specdec.parallel_sampling import ParentRequest, Prompt
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import SamplingParams, lone_surrogate
 
 
 class TextPrompt(TypedDict):
@@ -89,6 +91,7 @@ class LLM:
         chat_template (a template or a file path) replaces the model's for this call;
         continue_final_message continues the last message instead of opening a new turn;
         tools and chat_template_kwargs reach the template."""
+        _check_chat_texts(messages=messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
         texts = [render_chat(self.engine.tokenizer, conversation, chat_template=chat_template,
                              add_generation_prompt=add_generation_prompt,
                              continue_final_message=continue_final_message, tools=tools,
@@ -110,6 +113,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The token ids `chat` would generate from for this conversation."""
+        _check_chat_texts(conversation=conversation, tools=tools, chat_template_kwargs=chat_template_kwargs)
         text = render_chat(self.engine.tokenizer, conversation, chat_template=chat_template,
                            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                            tools=tools, chat_template_kwargs=chat_template_kwargs)
@@ -174,27 +178,56 @@ def _conversations(messages: Conversation | list[Conversation]) -> list[Conversa
 def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[Prompt]:
     """One prompt or a list of them (of any form, mixed) as the engine's prompts."""
     if isinstance(prompts, (str, dict)):
-        return [parse_prompt(prompts)]
+        return [parse_prompt(prompts, "prompts[0]")]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
     if prompts and all(_is_token_id(t) for t in prompts):
         return [list(prompts)]  # one prompt of token ids
-    return [parse_prompt(prompt) for prompt in prompts]
+    return [parse_prompt(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompts)]
 
 
-def parse_prompt(prompt: Any) -> Prompt:
-    """A string, a list of token ids, or a vLLM prompt dict, as the engine's prompt."""
+def parse_prompt(prompt: Any, name: str = "the prompt") -> Prompt:
+    """A string, a list of token ids, or a vLLM prompt dict, as the engine's prompt;
+    errors call it `name`."""
     if isinstance(prompt, str):
-        return prompt
+        return _text(prompt, name)
     if isinstance(prompt, dict):
-        return _parse_prompt_dict(prompt)
+        return _parse_prompt_dict(prompt, name)
     if isinstance(prompt, (list, tuple)):
-        return _token_ids(prompt, "a prompt of token ids")
-    raise TypeError(f"a prompt must be a string, a list of token ids, or a dict with one of {list(PROMPT_KEYS)}; "
+        return _token_ids(prompt, name)
+    raise TypeError(f"{name} must be a string, a list of token ids, or a dict with one of {list(PROMPT_KEYS)}; "
                     f"got {type(prompt).__name__}")
 
 
-def _parse_prompt_dict(prompt: dict[str, Any]) -> Prompt:
+def _text(text: str, name: str) -> str:
+    """The text, unless it has a lone surrogate (which the tokenizer refuses with an error
+    naming neither the prompt nor the character)."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise ValueError(f"{name} is not valid text: it contains a lone surrogate at position {at}")
+    return text
+
+
+def _check_chat_texts(**arguments: Any) -> None:
+    """The strings of chat's arguments valid text, named by argument and place."""
+    for name, value in arguments.items():
+        _check_texts(value, name)
+
+
+def _check_texts(value: Any, name: str) -> None:
+    """Every string inside `value` (a conversation: lists and dicts) valid text, naming the
+    first that is not by its place."""
+    if isinstance(value, str):
+        _text(value, name)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_texts(item, f"{name}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_texts(item, f"{name}[{index}]")
+
+
+def _parse_prompt_dict(prompt: dict[str, Any], name: str) -> Prompt:
     if "multi_modal_data" in prompt:
         raise ValueError("multi_modal_data is not supported: specdec runs text-only models")
     unknown = sorted(set(prompt) - set(PROMPT_KEYS), key=str)
@@ -207,7 +240,7 @@ def _parse_prompt_dict(prompt: dict[str, Any]) -> Prompt:
         return _token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
     if not isinstance(prompt["prompt"], str):
         raise ValueError(f"'prompt' must be a string, got {type(prompt['prompt']).__name__}")
-    return str(prompt["prompt"])
+    return _text(prompt["prompt"], f"{name}['prompt']")
 
 
 def _token_ids(value: Any, what: str) -> list[int]:
@@ -221,10 +254,19 @@ def _is_token_id(value: Any) -> bool:
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt, from one for all or a list of one per prompt. Any
+    other object (a dict of settings, say) is a TypeError here, not an AttributeError
+    from inside the engine."""
     if params is None:
         return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, (list, tuple)):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
+    for index, item in enumerate(params):
+        if not isinstance(item, SamplingParams):
+            raise TypeError(f"sampling_params[{index}] must be a SamplingParams, got {type(item).__name__}")
     if len(params) != n:
-        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts: give one SamplingParams "
+                         "or one per prompt")
     return list(params)

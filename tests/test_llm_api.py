@@ -57,8 +57,48 @@ def test_bad_prompt_dicts_are_named_and_nothing_runs(llm: LLM, prompt: dict[str,
 
 
 def test_a_prompt_of_another_type_is_a_type_error(llm: LLM) -> None:
-    with pytest.raises(TypeError, match="got float"):
+    with pytest.raises(TypeError, match=r"^prompts\[1\] must be a string, .*got float"):
         llm.generate([PROMPT, 1.5], greedy(4))  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ("abc\ud800", r"^prompts\[0\] is not valid text: it contains a lone surrogate at position 3$"),
+    ([PROMPT, {"prompt": "x\udfff"}], r"^prompts\[1\]\['prompt'\] is not valid text: .* at position 1$"),
+    ([[1, 2.5]], r"^prompts\[0\] must be a list of int token ids, got \[1, 2.5\]"),
+    ([[1, True]], r"^prompts\[0\] must be a list of int token ids"),
+])
+def test_a_prompt_that_is_no_text_or_token_ids_is_named_by_index(llm: LLM, prompts: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, greedy(4))
+    assert not llm.engine.has_unfinished_requests()
+    assert_all_blocks_free(llm)
+
+
+def test_chat_text_that_is_no_text_is_named_by_place(llm: LLM) -> None:
+    bad = [{"role": "user", "content": "hi\ud800"}]
+    with pytest.raises(ValueError, match=r"^messages\[0\]\['content'\] is not valid text: .* at position 2$"):
+        llm.chat(bad, greedy(2))
+    with pytest.raises(ValueError, match=r"^messages\[1\]\[0\]\['content'\] is not valid text"):
+        llm.chat([CHAT, bad], greedy(2))
+    with pytest.raises(ValueError, match=r"^conversation\[0\]\['content'\] is not valid text"):
+        llm.apply_chat_template(bad)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("params, error, message", [
+    ({"temperature": 0.0}, TypeError, r"^sampling_params must be a SamplingParams or a list of them, got dict$"),
+    ([greedy(2), {"max_tokens": 2}], TypeError, r"^sampling_params\[1\] must be a SamplingParams, got dict$"),
+    ([greedy(2)] * 3, ValueError, r"^sampling_params has 3 entries for 2 prompts"),
+    ("greedy", TypeError, r"^sampling_params must be a SamplingParams or a list of them, got str$"),
+])
+def test_sampling_params_of_another_type_or_count_are_refused(llm: LLM, params: Any, error: type[Exception],
+                                                              message: str) -> None:
+    with pytest.raises(error, match=message):
+        llm.generate([PROMPT, PROMPT], params)
+    with pytest.raises(error, match=message):
+        llm.chat([CHAT, CHAT], params)
+    assert not llm.engine.has_unfinished_requests()
+    assert_all_blocks_free(llm)
 
 
 # ---- logprobs ----------------------------------------------------------------------------
