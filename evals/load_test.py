@@ -17,6 +17,10 @@ exits 1 when a check fails:
   this script started the server, else from /metrics' process_resident_memory_bytes);
 - served: at least one request completed.
 
+It also reports the RSS once the KV cache had been filled once (its pages become resident as
+requests first write them), estimated from the requests' usage and the pool's size in our own
+server's start-up log (specdec/memory_report.py `rss_once_filled`); None for another server.
+
     OMP_NUM_THREADS=1 .venv/bin/python evals/load_test.py --start-server \\
         --speculative-config '{"method":"ngram","num_speculative_tokens":5}'
     .venv/bin/python evals/load_test.py --base-url http://127.0.0.1:8000 --clients 16 --duration 20
@@ -29,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import re
 import shlex
@@ -55,7 +60,9 @@ from specdec.evals.bench_serving import (
 )
 from specdec.evals.common import markdown_table
 from specdec.evals.sse_client import choice_text, stream
+from specdec.memory_report import rss_once_filled
 from specdec.model_registry import DEFAULT_MODEL
+from specdec.server.stats_log import kv_pool_tokens
 
 WORDS = (
     "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "speculative", "decoding", "drafts", "tokens",
@@ -217,6 +224,7 @@ class Run:
     spec_decode: dict[str, float]  # draft acceptance over the run ({} without speculation)
     max_model_len: int
     rss_source: str  # "/proc" (our own server) or "/metrics"
+    kv_tokens: int | None = None  # the KV pool's size in tokens (our own server's start-up log)
 
 
 async def load(base_url: str, pid: int | None, args: argparse.Namespace) -> Run:
@@ -296,6 +304,8 @@ def summarize(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     problems = [(o, p) for o in completed if (p := finish_problem(o, run.max_model_len))]
     ttfts = [o.ttft * 1000 for o in outcomes if o.ttft is not None]
     first, second = rss_halves(run.rss, args.duration)
+    ends = [(o.started_at + (o.latency or 0.0), (o.prompt_tokens or 0) + (o.completion_tokens or 0)) for o in completed]
+    filled_at, rss_filled = rss_once_filled([*run.rss, (run.elapsed, run.rss_after)], ends, run.kv_tokens)
     tokens = sum(o.completion_tokens or 0 for o in completed)
     summary: dict[str, Any] = {
         "clients": args.clients, "duration_s": args.duration, "elapsed_s": round(run.elapsed, 2),
@@ -309,7 +319,8 @@ def summarize(run: Run, args: argparse.Namespace) -> dict[str, Any]:
         "ttft_ms": {"p50": round(percentile(ttfts, 50), 1), "p99": round(percentile(ttfts, 99), 1)},
         "rss_first_half_mib": first, "rss_second_half_mib": second,
         "rss_growth_mib": None if first is None or second is None else round(second - first, 1),
-        "rss_after_mib": run.rss_after, "rss_source": run.rss_source,
+        "rss_after_mib": run.rss_after, "rss_source": run.rss_source, "kv_pool_tokens": run.kv_tokens,
+        "kv_filled_at_s": None if filled_at is None else round(filled_at, 1), "rss_kv_filled_mib": rss_filled,
         "preemptions": run.preemptions, "spec_decode": run.spec_decode, "kv_after": run.gauges,
         "error_samples": [f"{n}x {e}" for e, n in Counter(o.error for o in failed).most_common(5)],
         "finish_reason_problems": [f"{o.plan.route}: {p}" for o, p in problems[:5]],
@@ -348,6 +359,8 @@ def report_table(summary: dict[str, Any]) -> str:
         ["RSS first / second half peak (MiB)",
          f"{_mib(summary['rss_first_half_mib'])} / {_mib(summary['rss_second_half_mib'])}"],
         ["RSS growth (MiB), after the run", f"{summary['rss_growth_mib']}, {_mib(summary['rss_after_mib'])}"],
+        ["RSS once the KV cache was filled (MiB; at s)", f"{_mib(summary['rss_kv_filled_mib'])}; "
+                                                          f"{summary['kv_filled_at_s']}"],
         ["preemptions", summary["preemptions"]],
         ["draft acceptance rate", _ratio(summary["spec_decode"].get("acceptance_rate"))],
     ]
@@ -393,8 +406,8 @@ def serve_command(args: argparse.Namespace, port: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def own_server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
-    """`specdec serve` in a subprocess: (base url, pid); SIGTERM on the way out."""
+def own_server(args: argparse.Namespace) -> Iterator[tuple[str, int, int | None]]:
+    """`specdec serve` in a subprocess: (base url, pid, KV pool tokens); SIGTERM on the way out."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with contextlib.ExitStack() as stack:
@@ -409,7 +422,8 @@ def own_server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
             log.seek(0)
             sys.stderr.write(log.read()[-4000:].decode(errors="replace"))
             raise
-        yield url, proc.pid
+        started = os.pread(log.fileno(), os.fstat(log.fileno()).st_size, 0)  # no seek: the server writes at its offset
+        yield url, proc.pid, kv_pool_tokens(started.decode(errors="replace"))
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -461,10 +475,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
-        base_url, pid = args.base_url, None
+        base_url, pid, kv_tokens = args.base_url, None, None
         if args.start_server:
-            base_url, pid = stack.enter_context(own_server(args))
+            base_url, pid, kv_tokens = stack.enter_context(own_server(args))
         result = asyncio.run(load(base_url, pid, args))
+        result.kv_tokens = kv_tokens
     return summarize(result, args)
 
 

@@ -190,6 +190,10 @@ class ChatStreamer(Streamer):
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         return {"index": delta.index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
+    @classmethod
+    def abort_choice(cls, index: int) -> dict[str, Any]:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": "abort"}
+
     def logprobs(self, delta: Delta) -> dict[str, Any] | None:
         if delta.logprobs is None:
             return None

@@ -65,3 +65,7 @@ class CompletionStreamer(Streamer):
             logprobs = completion_logprobs(self.state.tokens, delta.token_ids, delta.logprobs, delta.offset)
         return {"index": delta.index, "text": prefix + delta.text, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
+
+    @classmethod
+    def abort_choice(cls, index: int) -> dict[str, Any]:
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": "abort"}

@@ -5,8 +5,9 @@ Each request is handed whole to a replica chosen by the prefix-aware router
 (ray_router.py, which reads the `prefix_keys` computed here) and its response streamed
 back (asgi_relay.py). A replica that dies before anything of its response reached the
 client is not the client's problem: the request goes to another replica (up to
-MAX_ATTEMPTS in all). One that dies mid-stream ends the stream with an OpenAI error event
-and `[DONE]`, as the single-process server ends a failed stream.
+MAX_ATTEMPTS in all). One that dies mid-stream ends the stream as the single-process
+server ends an aborted one: an "abort" chunk per unfinished choice (ray_stream.py), an
+OpenAI error event and `[DONE]`.
 
 No `from __future__ import annotations` here: Serve rewrites the route methods' signatures
 for FastAPI, which then cannot resolve annotations given as strings.
@@ -25,6 +26,7 @@ from specdec.server.asgi_relay import ForwardedRequest, ResponseHead, ResponsePa
 from specdec.server.errors import APIError, error_body, error_response, install_error_handlers, unavailable
 from specdec.server.metrics import CONTENT_TYPE
 from specdec.server.ray_router import prefix_keys
+from specdec.server.ray_stream import StreamWatch
 from specdec.server.streaming import sse
 
 logger = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ async def respond(call: Call, request: ForwardedRequest) -> Response:
         if not head.is_event_stream:
             await parts.aclose()
             return _with_head(Response(first), head)
-        return _with_head(StreamingResponse(_stream(first, parts)), head)
+        return _with_head(StreamingResponse(_stream(first, parts, StreamWatch(request))), head)
     raise unavailable(f"no engine replica could serve the request ({len(failures)} died): {failures[-1]}")
 
 
@@ -95,17 +97,20 @@ async def _start(parts: AsyncGenerator[ResponsePart, None]) -> tuple[ResponseHea
     return head, b"".join([part async for part in parts if isinstance(part, bytes)])
 
 
-async def _stream(first: bytes, parts: AsyncGenerator[ResponsePart, None]) -> AsyncIterator[bytes]:
+async def _stream(first: bytes, parts: AsyncGenerator[ResponsePart, None], watch: StreamWatch) -> AsyncIterator[bytes]:
     try:
         if first:
+            watch.feed(first)
             yield first
         async for part in parts:
             if isinstance(part, bytes):
+                watch.feed(part)
                 yield part
     except REPLICA_GONE as exc:
         logger.warning("a replica died mid-stream: %s", _reason(exc))
         message = f"the engine replica serving this request stopped: {_reason(exc)}"
-        yield (sse(error_body(message, "server_error", code="replica_died")) + sse("[DONE]")).encode()
+        error = sse(error_body(message, "server_error", code="replica_died"))
+        yield (watch.abort_events() + error + sse("[DONE]")).encode()
     finally:
         await parts.aclose()
 

@@ -12,10 +12,18 @@ A prompt becomes prefix keys (`prefix_keys`): chained hashes of its leading chun
 CHUNK_CHARS characters, a chat message by message, so key i stands for everything up
 to the end of chunk i. A chat's next turn repeats the earlier messages, so its keys
 start with the earlier turn's: the turns of one conversation keep their replica. The
-router remembers, per key, the replica it last sent that key to (least recently used
+router remembers, per key, the replica it last chose for that key (least recently used
 keys are forgotten past `max_keys`); the replica owning the longest run of a request's
 keys is where its prefix is cached. A prompt nobody has seen goes to the least busy
 replica, ties to the one that owns the fewest keys, so new prefixes spread out.
+
+A request counts as in flight on its replica from the moment `choose_replicas` picks it,
+before any other choice is made: Serve only reports the routing (`on_request_routed`)
+after the replica has accepted, a round trip later, and a burst of requests chosen on
+counts taken before then would all go to the prefix's replica. Serve may still send the
+request to a lower rank (the first replica was at `max_ongoing_requests`); the count moves
+there when it reports the routing. The count is released when the request completes (or
+is rejected, or fails), or, for a request cancelled before it was sent, at the next choice.
 """
 from __future__ import annotations
 
@@ -93,19 +101,32 @@ class PrefixAffinityRouter(RequestRouter):
         self.owners: OrderedDict[int, ReplicaID] = OrderedDict()
         self.keys_owned: Counter[ReplicaID] = Counter()
         self.in_flight: Counter[ReplicaID] = Counter()
-        self.routed: dict[str, ReplicaID] = {}  # internal request id -> its replica, until it completes
+        self.routed: dict[str, ReplicaID] = {}  # internal request id -> where it is counted, until it completes
+        self.unsent: dict[str, PendingRequest] = {}  # chosen, not yet reported routed: may be cancelled unsent
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        """Ranks of one replica each, best first; Serve takes the first that has room."""
-        by_load = sorted(candidate_replicas,
-                         key=lambda r: (self.in_flight[r.replica_id], self.keys_owned[r.replica_id]))
-        owner = self.cached_at(_keys_of(pending_request), {r.replica_id for r in candidate_replicas})
+        """Ranks of one replica each, best first; Serve takes the first that has room. The
+        first is counted as this request's replica at once (no await in here: the choice
+        and the count are one step of the event loop)."""
+        self.release_cancelled()
+        if pending_request is not None:
+            self.release(pending_request.metadata.internal_request_id)  # a retry: not busy with itself
+        ranks = self.rank(candidate_replicas, _keys_of(pending_request))
+        if pending_request is not None and ranks:
+            self.count(pending_request, ranks[0].replica_id)
+            self.unsent[pending_request.metadata.internal_request_id] = pending_request
+        return [[replica] for replica in ranks]
+
+    def rank(self, candidates: list[RunningReplica], keys: tuple[int, ...]) -> list[RunningReplica]:
+        """Least busy first, unless the prefix's replica is within the threshold of it."""
+        by_load = sorted(candidates, key=lambda r: (self.in_flight[r.replica_id], self.keys_owned[r.replica_id]))
+        owner = self.cached_at(keys, {r.replica_id for r in candidates})
         if owner is not None and by_load:
             excess = self.in_flight[owner] - self.in_flight[by_load[0].replica_id]
             if excess <= self.imbalance_threshold:
                 by_load.sort(key=lambda r: r.replica_id != owner)  # stable: the others keep their order
-        return [[replica] for replica in by_load]
+        return by_load
 
     def cached_at(self, keys: tuple[int, ...], candidates: set[ReplicaID]) -> ReplicaID | None:
         """The candidate that was sent the longest run of these keys, if any."""
@@ -119,14 +140,40 @@ class PrefixAffinityRouter(RequestRouter):
         return owner
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self.routed[pending_request.metadata.internal_request_id] = replica_id
-        self.in_flight[replica_id] += 1
-        for key in _keys_of(pending_request):
-            self.remember(key, replica_id)
+        """The replica accepted the request: its count stays, or moves here from the rank
+        `choose_replicas` put first."""
+        request_id = pending_request.metadata.internal_request_id
+        self.unsent.pop(request_id, None)
+        if self.routed.get(request_id) != replica_id:
+            self.release(request_id)
+            self.count(pending_request, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self.routed.pop(internal_request_id, None) is not None:
-            self.in_flight[replica_id] = max(0, self.in_flight[replica_id] - 1)
+        """Ended, failed or rejected. A count already moved elsewhere (a retry chosen before
+        this callback ran) stays."""
+        if self.routed.get(internal_request_id) == replica_id:
+            self.release(internal_request_id)
+
+    def count(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
+        self.routed[pending_request.metadata.internal_request_id] = replica_id
+        self.in_flight[replica_id] += 1
+        for key in _keys_of(pending_request):  # the next request with this prefix follows it
+            self.remember(key, replica_id)
+
+    def release(self, request_id: str) -> None:
+        self.unsent.pop(request_id, None)
+        replica_id = self.routed.pop(request_id, None)
+        if replica_id is None:
+            return
+        if self.in_flight[replica_id] > 1:
+            self.in_flight[replica_id] -= 1
+        else:  # dropped at zero, so a replica `forget_gone` dropped gets no counter back
+            self.in_flight.pop(replica_id, None)
+
+    def release_cancelled(self) -> None:
+        """Requests whose caller gave up before Serve sent them: Serve tells the router nothing."""
+        for request_id in [rid for rid, request in self.unsent.items() if request.future.cancelled()]:
+            self.release(request_id)
 
     def remember(self, key: int, replica_id: ReplicaID) -> None:
         self.disown(self.owners.pop(key, None))

@@ -1,5 +1,6 @@
-"""What the server logs about its engine: the start-up summary, and a periodic stats line
-like vLLM's (throughput, queue, KV cache, prefix cache, draft acceptance).
+"""What the server logs about its engine: the start-up summary (with its memory now and
+once the KV cache is in use, specdec/memory_report.py), and a periodic stats line like
+vLLM's (throughput, queue, KV cache, prefix cache, draft acceptance).
 
 The stats line reads only the snapshot the engine thread publishes (AsyncEngine.stats),
 never the engine itself, and runs as an asyncio task in the app's lifespan.
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from specdec.memory_report import memory_report
 from specdec.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -20,15 +23,23 @@ _ACTIVITY = ("num_prompt_tokens", "num_generation_tokens", "num_steps")
 
 
 def startup_summary(engine: Any, served_model_name: str) -> str:
-    """One line of the settings that decide the engine's speed and capacity."""
+    """One line of the settings that decide the engine's speed and capacity, and its memory."""
     config, bm = engine.config, engine.block_manager
     model = engine.model
+    memory = memory_report(engine)
     return (f"ready: model {served_model_name} ({engine.model_dir}), dtype {_dtype_name(config.dtype)}, "
             f"device {engine.device}, attention backend {model.attention_backend.name}, linear backend "
             f"{model.linear_backend.name}, KV cache {bm.num_blocks} blocks = {bm.num_blocks * bm.block_size} "
             f"tokens ({_dtype_name(config.kv_cache_torch_dtype)}), max_model_len {engine.max_model_len}, "
             f"max_num_seqs {config.max_num_seqs}, prefix caching {'on' if config.enable_prefix_caching else 'off'}, "
-            f"speculation {speculation_summary(config.speculative_config)}")
+            f"speculation {speculation_summary(config.speculative_config)}"
+            + ("" if memory is None else f"; {memory.describe()}"))
+
+
+def kv_pool_tokens(log: str) -> int | None:
+    """The KV pool's size in tokens, read back from a log holding `startup_summary`'s line."""
+    match = re.search(r"KV cache \d+ blocks = (\d+) tokens", log)
+    return int(match.group(1)) if match else None
 
 
 def speculation_summary(spec: Any) -> str:

@@ -1,7 +1,9 @@
 """Server-sent events: cumulative engine outputs become per-choice deltas, a Streamer shapes
 them into chunks (completions.py and chat.py subclass it), and `streaming_response` sends
 them, an error event on failure and `[DONE]` at the end, with an SSE comment whenever the
-stream has been silent for the server's keep-alive interval."""
+stream has been silent for the server's keep-alive interval. A stream the server aborts
+(shutdown) first ends each unfinished choice with a chunk whose
+finish_reason is "abort", as vLLM's do, so clients that only read finish reasons see it."""
 from __future__ import annotations
 
 import abc
@@ -68,6 +70,13 @@ class DeltaTracker:
         prog.finished, prog.started = finish is not None, True
         return delta
 
+    def finish_rest(self, count: int) -> list[int]:
+        """The indices below `count` of choices not finished yet, now marked finished."""
+        rest = [index for index in range(count) if not self.progress.get(index, _Progress()).finished]
+        for index in rest:
+            self.progress.setdefault(index, _Progress()).finished = True
+        return rest
+
 
 class Streamer(abc.ABC):
     """Formats one streaming response; subclasses shape completions / chat chunks."""
@@ -97,6 +106,16 @@ class Streamer(abc.ABC):
     def choice(self, output: RequestOutput, delta: Delta) -> dict[str, Any]:
         """One chunk choice for a delta of one prompt's output."""
 
+    @classmethod
+    @abc.abstractmethod
+    def abort_choice(cls, index: int) -> dict[str, Any]:
+        """The last choice of a stream cut short: nothing new, finish_reason "abort"."""
+
+    def aborted(self) -> list[dict[str, Any]]:
+        """A chunk per choice not finished yet, ending it with finish_reason "abort"."""
+        count = len(self.job.streams) * self.job.n
+        return [self.chunk([self.abort_choice(index)]) for index in self.tracker.finish_rest(count)]
+
     def closing(self) -> list[dict[str, Any]]:
         if not self.include_usage:
             return []
@@ -123,6 +142,9 @@ async def _events(request: Request, job: Job, streamer: Streamer) -> AsyncGenera
         async for index, output in outputs:
             error = failure(output)
             if error is not None:
+                if was_aborted(output):
+                    for chunk in streamer.aborted():
+                        yield sse(chunk)
                 yield sse(error.body())
                 break
             for chunk in streamer.on_output(index, output):
@@ -131,6 +153,12 @@ async def _events(request: Request, job: Job, streamer: Streamer) -> AsyncGenera
             for chunk in streamer.closing():
                 yield sse(chunk)
         yield sse("[DONE]")
+
+
+def was_aborted(output: RequestOutput) -> bool:
+    """Whether `failure` reports an abort (an engine error takes precedence there)."""
+    reasons = {completion.finish_reason for completion in output.outputs}
+    return output.error is None and "error" not in reasons and "abort" in reasons
 
 
 KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see bytes flow

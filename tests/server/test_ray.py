@@ -9,9 +9,12 @@ shuts it down and checks no Ray process is left.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,6 +38,7 @@ from specdec.server.ray_ingress import respond
 from specdec.server.ray_metrics import merge_pages
 from specdec.server.ray_replica import REPLICA_HEADER
 from specdec.server.ray_router import CHUNK_CHARS, PrefixAffinityRouter, prefix_keys
+from specdec.server.streaming import sse
 from tests.helpers import free_port, sse_events, start_streams, wait_until
 
 MODEL = "tiny"
@@ -65,13 +69,15 @@ def _router(threshold: int) -> PrefixAffinityRouter:
 
 def _pending(request_id: str, body: Any = None) -> Any:
     request = ForwardedRequest("POST", "/v1/completions", prefix_keys=prefix_keys(body))
-    return SimpleNamespace(args=[request], metadata=SimpleNamespace(internal_request_id=request_id))
+    return SimpleNamespace(args=[request], metadata=SimpleNamespace(internal_request_id=request_id),
+                           future=Future())
 
 
 def _choice(router: PrefixAffinityRouter, replicas: list[Any], body: Any = None) -> Any:
-    ranks = asyncio.run(router.choose_replicas(replicas, _pending("probe", body)))
-    assert all(len(rank) == 1 for rank in ranks) and len(ranks) == len(replicas)
-    return ranks[0][0]
+    """The replica ranked first, without routing anything (choose_replicas counts its request there)."""
+    ranks = router.rank(replicas, prefix_keys(body))
+    assert sorted(r.replica_id for r in ranks) == sorted(r.replica_id for r in replicas)
+    return ranks[0]
 
 
 def test_router_prefers_the_prefix_until_its_replica_is_busier() -> None:
@@ -88,6 +94,49 @@ def test_router_prefers_the_prefix_until_its_replica_is_busier() -> None:
     assert _choice(router, [a, b], {"prompt": "a prompt nobody sent"}) is b  # b holds fewer prefixes
     router.on_request_completed("a", "unknown")  # a request routed elsewhere (or twice) changes nothing
     assert router.in_flight["a"] == 0
+
+
+def test_a_burst_sharing_a_prefix_is_counted_as_each_request_is_chosen() -> None:
+    threshold = 4
+    router = _router(threshold)
+    a, b = SimpleNamespace(replica_id="a"), SimpleNamespace(replica_id="b")
+    router.on_request_routed(_pending("earlier", {"prompt": PREFIX + "earlier"}), "a", None)
+    router.on_request_completed("a", "earlier")  # a holds the prefix, nothing is in flight
+    burst = [_pending(f"burst-{i}", {"prompt": f"{PREFIX}Question {i}?"}) for i in range(8)]
+
+    async def choose(request: Any) -> str:
+        return str((await router.choose_replicas([a, b], request))[0][0].replica_id)
+
+    async def arrive_at_once() -> list[str]:  # Serve reports none routed before all are chosen
+        return list(await asyncio.gather(*(choose(request) for request in burst)))
+
+    chosen = asyncio.run(arrive_at_once())
+    for i, replica in enumerate(chosen):  # the rule, on what was really sent before each choice
+        load = Counter(chosen[:i])
+        assert load[replica] <= min(load["a"], load["b"]) + threshold, chosen
+    # the sixth is the first the rule sends away; the prefix then follows it to b, its last choice
+    assert chosen == ["a"] * 5 + ["b"] * 3
+    assert (router.in_flight["a"], router.in_flight["b"]) == (5, 3)
+    router.on_request_routed(burst[0], "b", None)  # Serve took the second rank: a was full
+    assert (router.in_flight["a"], router.in_flight["b"]) == (4, 4)
+    for request, replica in zip(burst, ["b", *chosen[1:]], strict=True):
+        router.on_request_completed(replica, request.metadata.internal_request_id)
+    assert not router.in_flight and not router.routed and not router.unsent
+
+
+def test_requests_that_fail_or_are_cancelled_before_routing_are_released() -> None:
+    router = _router(threshold=4)
+    a, b = SimpleNamespace(replica_id="a"), SimpleNamespace(replica_id="b")
+    cancelled, rejected = _pending("cancelled"), _pending("rejected")
+    assert asyncio.run(router.choose_replicas([a, b], cancelled))[0][0] is a
+    assert asyncio.run(router.choose_replicas([a, b], rejected))[0][0] is b
+    cancelled.future.cancel()  # the client left while the request waited for a replica
+    assert asyncio.run(router.choose_replicas([a, b], rejected))[0][0] is a  # a retry: b's count moved to a
+    assert dict(router.in_flight) == {"a": 1}
+    router.on_request_completed("b", "rejected")  # the first try's callback, late: the retry's count stays
+    assert dict(router.in_flight) == {"a": 1}
+    router.on_request_completed("a", "rejected")  # the retry failed on the replica
+    assert not router.in_flight and not router.routed and not router.unsent
 
 
 def _fake_replica(*parts: Any) -> Any:
@@ -127,6 +176,38 @@ def test_a_replica_that_dies_mid_stream_ends_it_with_an_error_event() -> None:
     events = sse_events(iter(body.decode().splitlines()))
     assert status == 200 and events[0] == {"choices": []}
     assert events[1]["error"]["code"] == "replica_died" and "replica" in events[1]["error"]["message"]
+
+
+def _chunk_events(head: dict[str, Any], *choices: dict[str, Any]) -> bytes:
+    return "".join(sse({**head, "choices": [choice]}) for choice in choices).encode()
+
+
+def test_a_replica_death_mid_stream_ends_each_unfinished_completion_choice_with_abort() -> None:
+    head = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL}
+    data = _chunk_events(head, {"index": 0, "text": "a", "logprobs": None, "finish_reason": None},
+                         {"index": 1, "text": "b", "logprobs": None, "finish_reason": "length"})
+    call = _fake_replica(SSE_HEAD, data[:10], data[10:-5], data[-5:], ActorDiedError())  # events cut anywhere
+    body = json.dumps({"model": MODEL, "prompt": ["x", "y"], "n": 2, "stream": True}).encode()
+    status, raw = _respond(call, ForwardedRequest("POST", "/v1/completions", body=body))
+    events = sse_events(iter(raw.decode().splitlines()))
+    abort = {"text": "", "logprobs": None, "finish_reason": "abort"}
+    # choices 2 and 3 (the second prompt's) had sent nothing: they end too
+    assert status == 200 and events[2:5] == [{**head, "choices": [{"index": i, **abort}]} for i in (0, 2, 3)]
+    assert len(events) == 6 and events[5]["error"]["code"] == "replica_died"
+
+
+def test_a_replica_death_mid_stream_ends_each_unfinished_chat_choice_with_abort() -> None:
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": MODEL, "usage": None}
+    data = _chunk_events(head, *({"index": i, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}
+                                 for i in (0, 1)), {"index": 1, "delta": {"content": "hi"}, "logprobs": None,
+                                                    "finish_reason": None})
+    call = _fake_replica(SSE_HEAD, data, b": keep-alive\n\n", ActorDiedError())
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}).encode()
+    status, raw = _respond(call, ForwardedRequest("POST", "/v1/chat/completions", body=body))
+    events = sse_events(line for line in raw.decode().splitlines() if not line.startswith(":"))
+    abort: dict[str, Any] = {"delta": {}, "logprobs": None, "finish_reason": "abort"}
+    assert status == 200 and events[3:5] == [{**head, "choices": [{"index": i, **abort}]} for i in (0, 1)]
+    assert len(events) == 6 and events[5]["error"]["code"] == "replica_died"
 
 
 def test_relay_streams_and_tells_the_app_when_the_client_goes() -> None:
@@ -320,6 +401,10 @@ def test_a_killed_replica_is_replaced_while_the_other_serves(ray_app: RayApp) ->
         stream.join(60)
         ends.append(stream.events()[-1])  # events() checks the stream ended with [DONE]
     assert all("error" in end or end["choices"][0]["finish_reason"] == "length" for end in ends), ends
+    for stream in streams:  # each cut stream ended its choice with "abort" before the error event
+        events = stream.events()
+        if "error" in events[-1]:
+            assert events[-2]["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "abort"}]
     # 400 tokens take far longer than the kill: the streams on the victim were cut short
     assert any(end.get("error", {}).get("code") == "replica_died" for end in ends), ends
     assert wait_until(lambda: len(set(_replica_actors()) - set(before)) == 1 and _running_replicas() == 2,

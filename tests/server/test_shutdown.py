@@ -1,7 +1,7 @@
 """Graceful shutdown (issue 23, defect 6): on SIGTERM `specdec serve` refuses new requests
 (503, /health 503), lets the streams in flight finish, ends any still running at the
-deadline or on a second signal with an error event and [DONE], logs no traceback and
-exits 0."""
+deadline or on a second signal with an "abort" chunk per unfinished choice (issue 41), an
+error event and [DONE], logs no traceback and exits 0."""
 from __future__ import annotations
 
 import signal
@@ -44,6 +44,17 @@ def outcome(reader: StreamReader) -> str:
     reasons = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"] is not None]
     assert len(reasons) == 1, reasons
     return str(reasons[0])
+
+
+def aborted_choices(reader: StreamReader) -> list[dict[str, Any]]:
+    """The choices of the "abort" chunks, one choice each, that come right before the
+    stream's error event; asserts no earlier chunk was aborted."""
+    events = reader.events()
+    assert "error" in events[-1], events[-3:]
+    aborted = [e for e in events if e.get("choices") and e["choices"][0]["finish_reason"] == "abort"]
+    assert events[len(events) - 1 - len(aborted):-1] == aborted, events[-4:]
+    assert all(len(e["choices"]) == 1 and e["id"] == events[0]["id"] for e in aborted), aborted
+    return [e["choices"][0] for e in aborted]
 
 
 def flowing_streams(server: ServeProcess, max_tokens: int) -> list[StreamReader]:
@@ -101,6 +112,10 @@ def test_second_signal_ends_every_stream_with_an_error_event(tiny_model_dir: Pat
         join(readers)
         outcomes = [outcome(r) for r in readers]
         assert "error" in outcomes and set(outcomes) <= {"error", "length"}, outcomes
+        for reader, ended in zip(readers, outcomes, strict=True):
+            if ended == "error":
+                assert aborted_choices(reader) == [{"index": 0, "text": "", "logprobs": None,
+                                                    "finish_reason": "abort"}]
         assert_clean_exit(server, within=15)
         assert time.monotonic() - started < 15
     finally:
@@ -132,8 +147,25 @@ def test_deadline_ends_what_is_still_running_with_errors(draining: RunningServer
     waiter.join(30)
     assert [outcome(r) for r in readers] == ["error"] * 4
     assert "shutting down" in readers[0].events()[-1]["error"]["message"]
+    for reader in readers:
+        assert aborted_choices(reader) == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "abort"}]
     error = blocking[0].json()["error"]
     assert blocking[0].status_code == 503 and error["code"] == "service_unavailable", blocking[0].text
     draining.thread.join(15)
     assert not draining.thread.is_alive() and time.monotonic() - started < 10
     assert all_blocks_free(draining)
+
+
+def test_deadline_ends_each_unfinished_chat_choice_with_abort(draining: RunningServer) -> None:
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "ignore_eos": True,
+            "temperature": 0, "stream": True, "speculative": False, "n": 2, "stream_options": {"include_usage": True}}
+    (reader,) = start_streams(f"{draining.base_url}/v1/chat/completions", chat, 1)
+    assert reader.flowing.wait(30)
+    assert wait_until(lambda: draining.async_engine.stats["num_requests_running"] >= 1)
+    draining.server.handle_exit(signal.SIGTERM, None)
+    join([reader])
+    assert aborted_choices(reader) == [{"index": i, "delta": {}, "logprobs": None, "finish_reason": "abort"}
+                                       for i in (0, 1)]
+    assert reader.events()[-2]["usage"] is None  # the chunks' envelope, as include_usage has it
+    draining.thread.join(15)
+    assert not draining.thread.is_alive() and all_blocks_free(draining)
