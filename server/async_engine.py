@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from specdec.faults import STEP_FAILED
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.parallel_sampling import ParentRequest, Prompt
 from specdec.sampling_params import SamplingParams
@@ -36,7 +37,9 @@ class EngineShuttingDownError(RuntimeError):
 
 class EngineLike(Protocol):
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    use_speculation: bool = True) -> Any: ...
+                    use_speculation: bool = True, grammar: Any = None) -> Any: ...
+    async def compile_grammar(self, params: SamplingParams) -> Any: ...
+    def prepare_grammars(self) -> None: ...
     def abort_request(self, request_id: str) -> RequestOutput | None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -83,6 +86,7 @@ class _Add:
     group: _Group
     prompt: Prompt
     use_speculation: bool
+    grammar: Any  # the params' constraint, compiled already (None without one)
     future: asyncio.Future[None]
 
 
@@ -185,6 +189,7 @@ class AsyncEngine:
         self._groups: dict[str, _Group] = {}  # engine thread only
         self._children: dict[str, _Group] = {}  # child request id -> its group; engine thread only
         self.stats: dict[str, Any] = dict(engine.get_metrics())  # snapshot, replaced after each step
+        engine.prepare_grammars()  # before the loop starts: it holds the GIL for a while
         self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
         self._thread.start()
 
@@ -206,13 +211,16 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,
                        use_speculation: bool = True) -> RequestStream:
-        """Add the request; raises ValueError for a bad prompt before any streaming starts."""
+        """Add the request; raises ValueError for a bad prompt or constraint before any
+        streaming starts. A constraint is compiled first, off the engine thread, so a slow
+        grammar never stalls the other requests' steps."""
         self._check_accepting()
+        grammar = await self.engine.compile_grammar(params)
         loop = asyncio.get_running_loop()
         record = RequestRecord(request_id) if self.log_requests else None
         group = _Group(ParentRequest(request_id, params), loop, record)
         future: asyncio.Future[None] = loop.create_future()
-        self._submit(_Add(group, prompt, use_speculation, future))
+        self._submit(_Add(group, prompt, use_speculation, grammar, future))
         try:
             await future
         except asyncio.CancelledError:  # the caller went away: do not leave the request behind
@@ -272,7 +280,8 @@ class AsyncEngine:
             self._loop()
         except BaseException as exc:
             logger.exception("the engine loop died")
-            self._error = f"{type(exc).__name__}: {exc}"
+            # Clients read this: the exception's text may hold any request's input, the log has it.
+            self._error = f"{type(exc).__name__} (the server log has the details)"
         finally:
             self._close()
 
@@ -322,7 +331,7 @@ class AsyncEngine:
             _settle(command.future, ValueError(f"request id {group.request_id!r} is already in use"))
             return
         try:
-            group.parent.add_to(self.engine, command.prompt, command.use_speculation)
+            group.parent.add_to(self.engine, command.prompt, command.use_speculation, command.grammar)
         except Exception as exc:  # noqa: BLE001 - a bad prompt: add_to has undone the children it added
             _settle(command.future, exc)
             return
@@ -350,9 +359,9 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:
+        except Exception:
             logger.exception("engine step failed; failing the in-flight requests")
-            self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            self._fail_all(STEP_FAILED)
             return
         for output in outputs:
             self._dispatch(output)

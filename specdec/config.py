@@ -211,6 +211,14 @@ class EngineConfig:
                                          "captured for decode and verify batches (the CPU always runs eagerly)")
     chat_template: str | None = _option(None, "a Jinja chat template, or the path of a file holding one, used "
                                               "instead of the model's own (chat requests and LLM.chat)")
+    max_grammar_compile_s: float = _option(
+        10.0, "structured outputs: the most seconds one request's grammar may take to compile (on a worker "
+              "thread, before the request is admitted); a slower one is refused (HTTP 400)")
+    max_guided_choices: int = _option(10_000, "structured outputs: the most items of one request's choice list "
+                                              "(guided_choice); a longer list is refused (HTTP 400)")
+    max_grammar_bytes: int = _option(512 * 1024, "structured outputs: the most bytes of one request's JSON "
+                                                 "schema, regex, grammar or choice list; a larger one is "
+                                                 "refused (HTTP 400)")
 
     def __post_init__(self) -> None:
         """Bring raw values (CLI strings, JSON, `LLM` keywords) to the types the engine
@@ -246,6 +254,12 @@ class EngineConfig:
             raise ValueError(f"prefill_step_target_ms must be >= 0, got {self.prefill_step_target_ms}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if not self.max_grammar_compile_s > 0:  # also refuses nan
+            raise ValueError(f"max_grammar_compile_s must be a positive number of seconds, "
+                             f"got {self.max_grammar_compile_s}")
+        for name in ("max_guided_choices", "max_grammar_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}")
         from specdec.kernels.linear import default_linear_backend, get_linear_backend

@@ -16,6 +16,7 @@ from specdec.cuda_graphs import make_runner
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.drafters.base import Drafter, DrafterContext, DraftRequest
 from specdec.drafters.factory import build_drafter
+from specdec.faults import STEP_FAILED, fault_message
 from specdec.gpu_memory import gpu_kv_blocks
 from specdec.kernels.kv_ops import move_kv
 from specdec.metrics import EngineMetrics
@@ -29,7 +30,7 @@ from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest, Scheduler
 from specdec.speculation import FixedSpeculation, SpeculationPolicy, StepReport
-from specdec.structured_output import Grammar, GrammarCompiler
+from specdec.structured_output import CompiledGrammar, Grammar, GrammarCompiler, GrammarLimits
 from specdec.tree import DraftTree
 from specdec.verify import Verified, verify
 
@@ -64,7 +65,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.policy, self.pacer)
         self.drafter: Drafter | None = build_drafter(self._drafter_context()) if spec else None
         self.metrics = EngineMetrics(self.num_speculative_tokens)
-        self._grammar_compiler: GrammarCompiler | None = None  # built at the first structured request
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                        GrammarLimits(config.max_grammar_compile_s, config.max_guided_choices,
+                                                      config.max_grammar_bytes))
 
     def _drafter_context(self) -> DrafterContext:
         assert self.config.speculative_config is not None
@@ -106,7 +109,9 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    use_speculation: bool = True) -> Request:
+                    use_speculation: bool = True, grammar: CompiledGrammar | None = None) -> Request:
+        """Queue a request; ValueError for a bad prompt or params. `grammar`: the params'
+        constraint compiled already (`compile_grammar`); else it is compiled here."""
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(token_ids)
@@ -117,7 +122,7 @@ class LLMEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         request = Request(request_id, token_ids, params, detok, max_tokens, self.eos_token_ids,
-                          use_speculation and self.drafter is not None, prompt_text, self._grammar(params))
+                          use_speculation and self.drafter is not None, prompt_text, self._grammar(params, grammar))
         self.scheduler.add(request)
         self.metrics.num_prompt_tokens += len(token_ids)
         return request
@@ -145,13 +150,23 @@ class LLMEngine:
             raise ValueError(f"sampling params name token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         return params.tokenized(self.tokenizer)
 
-    def _grammar(self, params: SamplingParams) -> Grammar | None:
-        """The request's grammar state; ValueError for an invalid constraint."""
+    def _grammar(self, params: SamplingParams, compiled: CompiledGrammar | None) -> Grammar | None:
+        """The request's grammar state; GrammarError (a ValueError) for an invalid constraint."""
         if params.structured_outputs is None:
             return None
-        if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        return self._grammar_compiler.grammar(params.structured_outputs, self.eos_token_ids)
+        return self.grammars.grammar(params.structured_outputs, compiled)
+
+    def prepare_grammars(self) -> None:
+        """Ready structured outputs before serving (see GrammarCompiler.prepare)."""
+        self.grammars.prepare()
+
+    async def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The params' constraint compiled on a worker thread, awaited on the caller's event
+        loop (the engine thread steps on meanwhile), for `add_request`; GrammarError (a
+        ValueError) if it is invalid or over a limit; None without a constraint."""
+        if params.structured_outputs is None:
+            return None
+        return await self.grammars.compile_async(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.find(request_id)
@@ -167,54 +182,91 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step. A fault of one request (its grammar, its draft, its commit) ends that
+        request with an error and the others go on; a fault of the batched work (the
+        forward, the samplers) fails the step's requests, never the engine."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        watch = Stopwatch()
+        trees, faults = self._propose(batch)
+        failed = self._fail_each(batch, faults)
+        if faults:
+            batch, trees = _without(batch, trees, faults)
+            if not batch:
+                return failed
+        draft_seconds = watch.lap()
         try:
-            watch = Stopwatch()
-            trees = self._propose(batch)
-            draft_seconds = watch.lap()
             output = self.runner.execute(batch, trees)
             forward_seconds = watch.lap()
             self.policy.observe_step(_step_report(batch, trees, draft_seconds, forward_seconds))
             self.pacer.observe(sum(item.num_new_tokens for item in batch if item.num_new_tokens > 1), forward_seconds)
             verified = verify(batch, trees, output)
-        except Exception as error:  # a failed step fails its requests, not the engine
-            logger.exception("engine step failed")
-            return self._fail(batch, error)
+        except Exception:
+            logger.exception("engine step failed: failing its %d requests", len(batch))
+            return failed + self._fail_each(batch, {i: STEP_FAILED for i in range(len(batch))})
         self.metrics.num_steps += 1
-        return self._commit(batch, trees, verified)
+        return failed + self._commit(batch, trees, verified)
 
-    def _propose(self, batch: list[ScheduledRequest]) -> list[DraftTree]:
-        """Each request's draft tree; the root alone where nothing was granted or guessed."""
+    def _propose(self, batch: list[ScheduledRequest]) -> tuple[list[DraftTree], dict[int, str]]:
+        """Each request's draft tree (the root alone where nothing was granted or guessed),
+        and the requests whose drafting failed (batch index -> what their client is told)."""
         trees = [DraftTree.chain([item.root_token]) for item in batch]
+        faults: dict[int, str] = {}
         wanted = [i for i, item in enumerate(batch) if item.num_draft_tokens > 0]
         for i in wanted:
-            trees[i] = _forced_draft(batch[i])
-        wanted = [i for i in wanted if trees[i].num_drafts == 0]
+            try:
+                trees[i] = _forced_draft(batch[i])
+            except Exception as error:  # noqa: BLE001 - one request's grammar
+                faults[i] = fault_message(batch[i].request.request_id, error, "drafting")
+        wanted = [i for i in wanted if trees[i].num_drafts == 0 and i not in faults]
         if not wanted or self.drafter is None:
-            return trees
+            return trees, faults
+        try:
+            drafted = self._draft(batch, wanted)
+        except Exception:  # noqa: BLE001 - find whose draft fails: each alone
+            drafted = []
+            for i in wanted:
+                try:
+                    drafted += self._draft(batch, [i])
+                except Exception as error:  # noqa: BLE001
+                    faults[i] = fault_message(batch[i].request.request_id, error, "drafting")
+            wanted = [i for i in wanted if i not in faults]
+        for i, tree in zip(wanted, drafted, strict=True):
+            trees[i] = tree.prune(batch[i].num_draft_tokens, batch[i].max_depth)  # the drafter contract, enforced
+        return trees, faults
+
+    def _draft(self, batch: list[ScheduledRequest], wanted: list[int]) -> list[DraftTree]:
+        assert self.drafter is not None
         requests = [DraftRequest(batch[i].request.request_id, batch[i].request.all_token_ids,
                                  batch[i].num_draft_tokens, batch[i].max_depth,
                                  batch[i].request.sampling_params, batch[i].request.last_hidden) for i in wanted]
-        for i, tree in zip(wanted, self.drafter.propose(requests), strict=True):
-            trees[i] = tree.prune(batch[i].num_draft_tokens, batch[i].max_depth)  # the drafter contract, enforced
-        return trees
+        return self.drafter.propose(requests)
 
     def _commit(self, batch: list[ScheduledRequest], trees: list[DraftTree],
                 verified: list[Verified]) -> list[RequestOutput]:
         outputs = []
         for item, tree, result in zip(batch, trees, verified):
             request = item.request
-            if not result.tokens:  # mid-prefill: no logits yet
+            if result.error is not None:
+                outputs.append(self._fail_one(request, result.error))
+            elif not result.tokens:  # mid-prefill: no logits yet
                 request.num_computed_tokens += item.num_new_tokens
                 self.block_manager.cache_blocks(request)
-                continue
-            self._commit_one(item, tree, result)
-            outputs.append(make_output(request))
-            if request.finish_reason is not None:
-                self._finish(request)
+            else:
+                outputs.append(self._commit_guarded(item, tree, result))
         return outputs
+
+    def _commit_guarded(self, item: ScheduledRequest, tree: DraftTree, result: Verified) -> RequestOutput:
+        request = item.request
+        try:
+            self._commit_one(item, tree, result)
+        except Exception as error:  # noqa: BLE001 - one request's grammar or detokenizer
+            return self._fail_one(request, fault_message(request.request_id, error, "committing"))
+        output = make_output(request)
+        if request.finish_reason is not None:
+            self._finish(request)
+        return output
 
     def _commit_one(self, item: ScheduledRequest, tree: DraftTree, result: Verified) -> None:
         """Keep the KV of the known tokens and the accepted path, append the tokens."""
@@ -246,14 +298,15 @@ class LLMEngine:
             dst = [table[p // bs] * bs + p % bs for _, p in moves]
             move_kv(self.runner.kv_cache.layers, torch.tensor(src), torch.tensor(dst))
 
-    def _fail(self, batch: list[ScheduledRequest], error: Exception) -> list[RequestOutput]:
-        outputs = []
-        for item in batch:
-            item.request.finish_reason = "error"
-            item.request.error = f"{type(error).__name__}: {error}"
-            self._finish(item.request)
-            outputs.append(make_output(item.request))
-        return outputs
+    def _fail_each(self, batch: list[ScheduledRequest], faults: dict[int, str]) -> list[RequestOutput]:
+        return [self._fail_one(batch[i].request, message) for i, message in faults.items()]
+
+    def _fail_one(self, request: Request, message: str) -> RequestOutput:
+        """End a request with an error its client may read; its KV blocks are freed."""
+        request.finish_reason = "error"
+        request.error = message
+        self._finish(request)
+        return make_output(request)
 
     def _finish(self, request: Request) -> None:
         self.scheduler.finish(request)
@@ -288,6 +341,12 @@ def _eos_token_ids(model_dir: Any, tokenizer: Any) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def _without(batch: list[ScheduledRequest], trees: list[DraftTree],
+             dropped: dict[int, str]) -> tuple[list[ScheduledRequest], list[DraftTree]]:
+    kept = [i for i in range(len(batch)) if i not in dropped]
+    return [batch[i] for i in kept], [trees[i] for i in kept]
 
 
 def _forced_draft(item: ScheduledRequest) -> DraftTree:

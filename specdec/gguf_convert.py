@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdec.checksums import model_dir_written
+from specdec.gguf_file import check_gguf
 
 # llama.cpp tensor names → HF names; {i} is the layer index.
 _LAYER_NAMES = {
@@ -36,8 +37,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     out_dir, the known model it is pulled as). GGUFFileError for a truncated or corrupt file."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    from specdec.models.gguf_loader import check_gguf  # it imports this module
 
     check_gguf(gguf_path)
     meta = load_gguf_checkpoint(str(gguf_path))

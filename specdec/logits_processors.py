@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from specdec.faults import fault_message
 from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 from specdec.tree import DraftTree
@@ -32,20 +33,30 @@ def process_logits(
     requests: Sequence[Request],  # [B]
     trees: Sequence[DraftTree],  # [B]
     num_rows: Sequence[int],  # [B] rows per request (0 or the tree's node count)
-) -> Tensor:  # [R, V] float32, a new tensor where any row changed
-    """The logits every row samples from, after its request's transforms."""
+) -> tuple[Tensor, dict[int, str]]:  # [R, V] float32, a new tensor where any row changed; faults
+    """The logits every row samples from, after its request's transforms, and the requests
+    whose transforms failed (batch index -> what their client is told): a grammar that
+    fails fails its own request, not the batch."""
     start, out = 0, logits
-    for request, tree, rows in zip(requests, trees, num_rows, strict=True):
+    faults: dict[int, str] = {}
+    for index, (request, tree, rows) in enumerate(zip(requests, trees, num_rows, strict=True)):
         if rows and (needs_processing(request.sampling_params) or request.grammar is not None):
             if out is logits:
                 out = logits.float().clone()
-            paths = [_drafts_to(tree, node) for node in range(rows)]
-            for node, path in enumerate(paths):
-                _process_row(out[start + node], request, request.output_token_ids + path)  # [V] in place
-            if request.grammar is not None:
-                _mask_rows(out[start:start + rows], request.grammar.masks(paths), request)
+            try:
+                _process_request(out[start:start + rows], request, tree)  # [rows, V] in place
+            except Exception as error:  # noqa: BLE001 - one request's fault
+                faults[index] = fault_message(request.request_id, error, "masking")
         start += rows
-    return out
+    return out, faults
+
+
+def _process_request(rows: Tensor, request: Request, tree: DraftTree) -> None:  # rows [N, V] in place
+    paths = [_drafts_to(tree, node) for node in range(rows.shape[0])]
+    for node, path in enumerate(paths):
+        _process_row(rows[node], request, request.output_token_ids + path)  # [V] in place
+    if request.grammar is not None:
+        _mask_rows(rows, request.grammar.masks(paths), request)
 
 
 def _drafts_to(tree: DraftTree, node: int) -> list[int]:

@@ -24,7 +24,7 @@ class ChildEngine(Protocol):
     """The part of LLMEngine that fanning out needs."""
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    use_speculation: bool = True) -> Any: ...
+                    use_speculation: bool = True, grammar: Any = None) -> Any: ...
 
     def abort_request(self, request_id: str) -> RequestOutput | None: ...
 
@@ -65,13 +65,14 @@ class ParentRequest:
     def child_ids(self) -> list[str]:
         return [child.request_id for child in self.children]
 
-    def add_to(self, engine: ChildEngine, prompt: Prompt, use_speculation: bool = True) -> None:
-        """Add every child to `engine`. If the engine refuses one (a bad prompt), the
-        children already added are aborted, so none is left running, and the error is raised."""
+    def add_to(self, engine: ChildEngine, prompt: Prompt, use_speculation: bool = True, grammar: Any = None) -> None:
+        """Add every child to `engine` (`grammar`: their constraint, compiled already). If the
+        engine refuses one (a bad prompt), the children already added are aborted, so none
+        is left running, and the error is raised."""
         added: list[str] = []
         try:
             for child in self.children:
-                engine.add_request(child.request_id, prompt, child.params, use_speculation)
+                engine.add_request(child.request_id, prompt, child.params, use_speculation, grammar)
                 added.append(child.request_id)
         except BaseException:
             for request_id in added:

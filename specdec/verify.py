@@ -31,6 +31,7 @@ class Verified:
     tokens: list[int] = field(default_factory=list)  # accepted drafts, then one recovered/bonus token
     accepted_nodes: list[int] = field(default_factory=list)  # tree node ids of the accepted path
     hidden: torch.Tensor | None = None  # [H] hidden state of the row that produced the last token
+    error: str | None = None  # the request failed here (what its client is told); nothing to commit
 
 
 def verify(
@@ -38,11 +39,14 @@ def verify(
     trees: list[DraftTree],  # [B] the trees the forward ran, rooted at each request's last known token
     output: ForwardOutput,
 ) -> list[Verified]:
-    """Per scheduled request: what it commits (empty mid-prefill)."""
+    """Per scheduled request: what it commits (empty mid-prefill), or why it failed."""
     starts = _row_starts(output.num_rows)
     results = [Verified() for _ in batch]
-    active = [i for i, rows in enumerate(output.num_rows) if rows > 0]
-    logits = process_logits(output.logits, [item.request for item in batch], trees, output.num_rows)  # [R, V]
+    logits, faults = process_logits(output.logits, [item.request for item in batch], trees,
+                                    output.num_rows)  # [R, V]
+    for i, message in faults.items():
+        results[i].error = message
+    active = [i for i, rows in enumerate(output.num_rows) if rows > 0 and i not in faults]
     greedy = [i for i in active if batch[i].request.sampling_params.greedy]
     sampled = [i for i in active if not batch[i].request.sampling_params.greedy]
     if greedy:

@@ -25,12 +25,12 @@ def request(params: SamplingParams, output: list[int] | None = None, prompt: lis
 def processed(params: SamplingParams, tree: DraftTree, output: list[int] | None = None,
               prompt: list[int] | None = None, logits: torch.Tensor | None = None) -> torch.Tensor:
     raw = torch.zeros(tree.num_nodes, V) if logits is None else logits
-    return process_logits(raw, [request(params, output, prompt)], [tree], [tree.num_nodes])
+    return process_logits(raw, [request(params, output, prompt)], [tree], [tree.num_nodes])[0]
 
 
 def test_untouched_requests_share_the_logits_tensor() -> None:
     logits = torch.randn(3, V)
-    assert process_logits(logits, [request(SamplingParams())], [DraftTree.chain([5, 6, 7])], [3]) is logits
+    assert process_logits(logits, [request(SamplingParams())], [DraftTree.chain([5, 6, 7])], [3])[0] is logits
 
 
 def test_frequency_and_presence_penalties_count_the_path_before_each_row() -> None:

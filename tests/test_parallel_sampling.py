@@ -49,7 +49,8 @@ class _RefusingEngine:
         self.added: list[str] = []
         self.aborted: list[str] = []
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, use_speculation: bool = True) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, use_speculation: bool = True,
+                    grammar: Any = None) -> None:
         if len(self.added) == 1:
             raise ValueError("refused")
         self.added.append(request_id)

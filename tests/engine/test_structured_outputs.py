@@ -12,7 +12,7 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.sampling_params import StructuredOutputsParams
-from specdec.structured_output import GrammarCompiler
+from specdec.structured_output import GrammarCompiler, GrammarLimits
 from tests.helpers import NGRAM, assert_all_blocks_free, random_prompts, token_ids
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -164,10 +164,11 @@ def test_forced_text_is_drafted_up_to_a_string_value(plain: LLM) -> None:
     """Keys, punctuation and a string's opening quote are all forced text: following the
     forced drafts alone writes `{"name":"` (the quote is guessed from its own tokenization,
     as no token is forced while it could still merge with the value)."""
-    compiler = GrammarCompiler(plain.get_tokenizer(), plain.engine.model_config.vocab_size)
+    compiler = GrammarCompiler(plain.get_tokenizer(), plain.engine.model_config.vocab_size,
+                               plain.engine.eos_token_ids, GrammarLimits())
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
               "additionalProperties": False}
-    grammar = compiler.grammar(StructuredOutputsParams(json=schema), plain.engine.eos_token_ids)
+    grammar = compiler.grammar(StructuredOutputsParams(json=schema))
     output: list[int] = []
     while forced := grammar.forced_tokens():
         output += forced

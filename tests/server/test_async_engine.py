@@ -34,12 +34,19 @@ class FakeEngine:
     def _called(self) -> None:
         self.threads.add(threading.current_thread().name)
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, use_speculation: bool = True) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, use_speculation: bool = True,
+                    grammar: Any = None) -> None:
         self._called()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         self.requests[request_id] = (ids, params, [])
+
+    async def compile_grammar(self, params: SamplingParams) -> Any:
+        return None
+
+    def prepare_grammars(self) -> None:
+        return None  # called at construction, on the caller's thread
 
     def _output(self, request_id: str, reason: str | None) -> RequestOutput:
         ids, _, out = self.requests[request_id]
@@ -119,7 +126,8 @@ def test_abort_and_step_failure(fake: FakeEngine) -> None:
         assert rest[-1].outputs[0].finish_reason == "abort" and not fake.requests
         fake.fail_steps = 1
         failed = await _drain(await engine.generate("b", [1], SamplingParams(max_tokens=2)))
-        assert failed[-1].outputs[0].finish_reason == "error" and "scripted" in (failed[-1].error or "")
+        assert failed[-1].outputs[0].finish_reason == "error"
+        assert "step failed" in (failed[-1].error or "") and "scripted" not in (failed[-1].error or "")
         ok = await _drain(await engine.generate("c", [1], SamplingParams(max_tokens=2)))
         assert ok[-1].outputs[0].finish_reason == "length" and engine.is_alive
         await engine.shutdown(drain=False)
@@ -154,7 +162,8 @@ def test_dead_loop_reports_503(fake: FakeEngine) -> None:
             outputs = await _drain(stream)  # the in-flight request is failed, not left hanging
             assert outputs[-1].outputs[0].finish_reason == "error"
             health = await client.get("/health")
-            assert health.status_code == 503 and "the loop broke" in health.json()["error"]["message"]
+            message = health.json()["error"]["message"]
+            assert health.status_code == 503 and "RuntimeError" in message and "the loop broke" not in message
             response = await client.post("/v1/completions", json={"prompt": "hi"})
             assert response.status_code == 503 and response.json()["error"]["type"] == "server_error"
 

@@ -98,10 +98,12 @@ def test_engine_step_failure_is_a_500_and_serving_goes_on(server: RunningServer,
     response = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4})
     assert response.status_code == 500, response.text
     error = response.json()["error"]
-    assert "boom in the scheduler" in error["message"] and error["type"] == "server_error"
+    # The exception's text may hold any request's input: the log has it, no client does.
+    assert "engine step failed" in error["message"] and error["type"] == "server_error"
+    assert "boom" not in error["message"]
     with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stream": True}) as r:
         events = sse_events(r.iter_lines())
-    assert "boom" in events[-1]["error"]["message"]
+    assert "engine step failed" in events[-1]["error"]["message"] and "boom" not in events[-1]["error"]["message"]
     assert client.get("/health").status_code == 200
     # Sampled on random weights, EOS could come first; ignore_eos makes "length" certain.
     ok = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True})
