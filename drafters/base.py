@@ -10,13 +10,13 @@ import torch
 
 from specdec.config import SpeculativeConfig
 from specdec.sampling_params import SamplingParams
-from specdec.tree import DraftTree
+from specdec.spec.tree import DraftTree
 
 if TYPE_CHECKING:
-    from specdec.adaptive import CostModel
     from specdec.block_manager import BlockManager
     from specdec.model_runner import ModelRunner
     from specdec.models import LlamaForCausalLM
+    from specdec.spec.adaptive import CostModel
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from specdec.models import LlamaForCausalLM, load_model
 from specdec.request import Request
 from specdec.sampler import SamplingTensors, argmax, logits_to_probs, sample_probs
 from specdec.scheduler import ScheduledRequest
-from specdec.tree import Candidate, DraftTree, expand_layer
+from specdec.spec.tree import Candidate, DraftTree, expand_layer
 
 
 class DraftModelDrafter(Drafter):

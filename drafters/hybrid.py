@@ -15,7 +15,7 @@ goes on. The heads run only for the requests where their own measured acceptance
 the suffix draft's by enough to pay for their time and for the extra verify rows, judged
 by expected committed tokens per second with the target's forward cost (adaptive.py's
 CostModel, when the config is adaptive). The drafts are then merged
-(specdec.tree.merge_drafts) by calibrated chance, and the step verifies the likeliest
+(specdec.spec.tree.merge_drafts) by calibrated chance, and the step verifies the likeliest
 nodes of the whole batch, as many as earn the most committed tokens per second.
 
 Every guess is deterministic (verified one-hot), so the merged tree is verified exactly as
@@ -31,11 +31,11 @@ import time
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 
-from specdec.adaptive import CostModel, LineFit
 from specdec.drafters.base import Drafter, DraftRequest
 from specdec.drafters.recurrent_drafter import RecurrentDrafter
 from specdec.drafters.suffix import SuffixDraft, SuffixDrafter
-from specdec.tree import DraftTree, ScoredDraft, merge_drafts
+from specdec.spec.adaptive import CostModel, LineFit
+from specdec.spec.tree import DraftTree, ScoredDraft, merge_drafts
 
 SUFFIX, HEADS = 0, 1
 DISCOUNT = 0.98  # per verify: the calibrations follow about the last 50

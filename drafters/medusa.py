@@ -25,7 +25,7 @@ from specdec.drafters.base import Drafter, DrafterContext, DraftRequest
 from specdec.drafters.recurrent_drafter import RecurrentDrafter
 from specdec.drafters.tree_choices import DEFAULT_CHOICES, Choice, tree_from_choices
 from specdec.sampler import SamplingTensors, argmax, logits_to_probs, sample_probs
-from specdec.tree import DraftTree
+from specdec.spec.tree import DraftTree
 
 if TYPE_CHECKING:
     from specdec.models import LlamaForCausalLM

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specdec.drafters.base import Drafter, DraftRequest
-from specdec.tree import DraftTree
+from specdec.spec.tree import DraftTree
 
 
 class NgramIndex:

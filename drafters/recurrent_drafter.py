@@ -23,7 +23,7 @@ from specdec.drafters.base import Drafter, DraftRequest
 from specdec.drafters.recurrent_heads import RecurrentHeads
 from specdec.drafters.tree_choices import Choice
 from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
-from specdec.tree import Candidate, DraftTree, ScoredDraft, expand_layer
+from specdec.spec.tree import Candidate, DraftTree, ScoredDraft, expand_layer
 
 DYNAMIC_WIDTH = 10  # nodes expanded per depth, and children considered per node (EAGLE-2's top-k)
 

@@ -28,7 +28,7 @@ from specdec.drafters.base import Drafter, DraftRequest
 from specdec.drafters.suffix_cache import SuffixCache
 from specdec.drafters.suffix_index import SuffixIndex
 from specdec.drafters.suffix_tree import build_draft
-from specdec.tree import DraftTree, ScoredDraft
+from specdec.spec.tree import DraftTree, ScoredDraft
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from specdec.tree import DraftTree, ScoredDraft
+from specdec.spec.tree import DraftTree, ScoredDraft
 
 
 def build_draft(root: int, continuations: Sequence[Sequence[int]], num_draft_tokens: int,

@@ -1,11 +1,11 @@
 """Medusa-style static trees: `choices`, each a path of top-k ranks per head, and the
-trees built from them (the tree type itself is specdec.tree.DraftTree)."""
+trees built from them (the tree type itself is specdec.spec.tree.DraftTree)."""
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
 
-from specdec.tree import DraftTree
+from specdec.spec.tree import DraftTree
 
 Choice = tuple[int, ...]  # ranks of the top-k tokens along a path: (rank at depth 1, rank at depth 2, ...)
 

@@ -52,7 +52,7 @@ from specdec.models.llama import LlamaDecoderLayer
 from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest
-from specdec.tree import DraftTree
+from specdec.spec.tree import DraftTree
 
 BLOCK_SIZE = 16
 

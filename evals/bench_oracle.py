@@ -31,7 +31,7 @@ from specdec.evals.common import markdown_table
 from specdec.llm import LLM
 from specdec.model_registry import DEFAULT_MODEL
 from specdec.sampling_params import SamplingParams
-from specdec.tree import DraftTree
+from specdec.spec.tree import DraftTree
 
 
 class OracleDrafter(Drafter):

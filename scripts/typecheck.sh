@@ -4,7 +4,7 @@
 # the package installs: then calls between specdec, kernels, drafters and server are typed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/ruff check specdec kernels drafters server evals
+.venv/bin/ruff check specdec kernels drafters server evals tests
 tree=build/typecheck
 rm -rf "$tree" && mkdir -p "$tree/specdec"
 for entry in specdec/*; do ln -s "$PWD/$entry" "$tree/specdec/"; done

@@ -45,7 +45,7 @@ class SpeculativeConfig:
     # EAGLE-2 dynamic trees).
     tree_choices: list[list[int]] | None = None
     # Choose each step's draft length per request (down to 0) from measured forward costs
-    # and running acceptance, for the most committed tokens per second (specdec/adaptive.py).
+    # and running acceptance, for the most committed tokens per second (specdec/spec/adaptive.py).
     # num_speculative_tokens (and num_tree_nodes) are then upper bounds.
     adaptive: bool = False
     # Suffix decoding (method "suffix", drafters/suffix.py): drafts from the request's own

@@ -28,7 +28,7 @@ from specdec.kernels.metadata import AttentionMetadata
 from specdec.model_runner import ForwardOutput, KVCache, ModelRunner, StepInputs, stack_masks, to_device
 from specdec.models import LlamaForCausalLM
 from specdec.scheduler import ScheduledRequest
-from specdec.tree import DraftTree
+from specdec.spec.tree import DraftTree
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from specdec.adaptive import AdaptiveSpeculation, CostLearning, DrafterPricing, Stopwatch, calibrate
 from specdec.allocator import keep_freed_memory
 from specdec.block_manager import BlockManager
 from specdec.chat_utils import apply_template_override
@@ -29,10 +28,12 @@ from specdec.pacing import PrefillPacer
 from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest, Scheduler
-from specdec.speculation import FixedSpeculation, SpeculationPolicy, StepReport
+from specdec.spec.adaptive import AdaptiveSpeculation, CostLearning, DrafterPricing, Stopwatch, calibrate
+from specdec.spec.forced import forced_draft
+from specdec.spec.policy import FixedSpeculation, SpeculationPolicy, StepReport
+from specdec.spec.tree import DraftTree
+from specdec.spec.verify import Verified, verify
 from specdec.structured_output import CompiledGrammar, Grammar, GrammarCompiler, GrammarLimits
-from specdec.tree import DraftTree
-from specdec.verify import Verified, verify
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ class LLMEngine:
         wanted = [i for i, item in enumerate(batch) if item.num_draft_tokens > 0]
         for i in wanted:
             try:
-                trees[i] = _forced_draft(batch[i])
+                trees[i] = forced_draft(batch[i])
             except Exception as error:  # noqa: BLE001 - one request's grammar
                 faults[i] = fault_message(batch[i].request.request_id, error, "drafting")
         wanted = [i for i in wanted if trees[i].num_drafts == 0 and i not in faults]
@@ -347,14 +348,6 @@ def _without(batch: list[ScheduledRequest], trees: list[DraftTree],
              dropped: dict[int, str]) -> tuple[list[ScheduledRequest], list[DraftTree]]:
     kept = [i for i in range(len(batch)) if i not in dropped]
     return [batch[i] for i in kept], [trees[i] for i in kept]
-
-
-def _forced_draft(item: ScheduledRequest) -> DraftTree:
-    """The tokens the request's grammar forces next, as a chain the target verifies (they
-    cost one forward instead of one each); the root alone when nothing is forced."""
-    grammar = item.request.grammar
-    forced = grammar.forced_tokens() if grammar is not None else []
-    return DraftTree.chain([item.root_token, *forced]).prune(item.num_draft_tokens, item.max_depth)
 
 
 def _build_adaptive(engine: LLMEngine) -> CostLearning:

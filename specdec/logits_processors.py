@@ -19,7 +19,7 @@ from torch import Tensor
 from specdec.faults import fault_message
 from specdec.request import Request
 from specdec.sampling_params import SamplingParams
-from specdec.tree import DraftTree
+from specdec.spec.tree import DraftTree
 
 
 def needs_processing(params: SamplingParams) -> bool:

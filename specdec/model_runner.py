@@ -11,7 +11,7 @@ from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
 from specdec.models import LlamaForCausalLM
 from specdec.scheduler import ScheduledRequest
-from specdec.tree import DraftTree
+from specdec.spec.tree import DraftTree
 
 
 @dataclass

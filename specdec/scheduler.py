@@ -23,8 +23,8 @@ from specdec.block_manager import BlockManager
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.pacing import PrefillPacer
 from specdec.request import Request, RequestStatus
-from specdec.speculation import DraftLimit, FixedSpeculation, SpeculationPolicy
-from specdec.tree import DraftTree
+from specdec.spec.policy import DraftLimit, FixedSpeculation, SpeculationPolicy
+from specdec.spec.tree import DraftTree
 
 
 @dataclass(frozen=True)

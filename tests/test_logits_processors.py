@@ -9,7 +9,7 @@ from specdec.logits_processors import process_logits
 from specdec.request import Request
 from specdec.sampler import SamplingTensors, logits_to_probs
 from specdec.sampling_params import SamplingParams
-from specdec.tree import DraftTree
+from specdec.spec.tree import DraftTree
 
 V = 12
 EOS = 11

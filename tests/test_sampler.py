@@ -1,16 +1,26 @@
 """Tests for specdec.sampler: transforms, sampling, seeds, logprobs."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import Tensor
 
 import specdec.sampler as sampler
-from specdec.sampler import (ACCEPT_STREAM, RACE_STREAM, SamplingTensors, argmax, keyed_generator, keyed_seed,
-                             keyed_uniforms, logits_to_probs, sample, sample_keyed, sample_probs, top_logprobs)
+from specdec.sampler import (
+    ACCEPT_STREAM,
+    RACE_STREAM,
+    SamplingTensors,
+    argmax,
+    keyed_generator,
+    keyed_seed,
+    keyed_uniforms,
+    logits_to_probs,
+    sample,
+    sample_keyed,
+    sample_probs,
+    top_logprobs,
+)
 from specdec.sampling_params import SamplingParams
-
 
 
 def make_st(params: list[SamplingParams], seeded: bool = False) -> SamplingTensors:

@@ -13,7 +13,7 @@ from specdec.pacing import MIN_CHUNK, PrefillPacer
 from specdec.request import Request, RequestStatus
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest, Scheduler
-from specdec.speculation import DraftLimit, SpeculationPolicy
+from specdec.spec.policy import DraftLimit, SpeculationPolicy
 
 BLOCK = 4
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.adaptive import CostModel
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DraftRequest
 from specdec.drafters.hybrid import MATCH_BAND_STARTS, HybridDrafter, _Calibration, _Guess, _Offer, match_band
 from specdec.drafters.suffix import SuffixDraft, SuffixDrafter
-from specdec.tree import DraftTree, ScoredDraft, merge_drafts
+from specdec.spec.adaptive import CostModel
+from specdec.spec.tree import DraftTree, ScoredDraft, merge_drafts
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
 
 
@@ -307,12 +307,12 @@ V_MIXED = 6
 
 def test_sampling_through_mixed_trees_follows_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
     """The emitted tokens of trees merged from two drafters follow a Markov target (chi-square,
-    as tests/test_tree_rejection.py does for one drafter), and a verifier that forgets the
+    as tests/spec/test_tree_rejection.py does for one drafter), and a verifier that forgets the
     residual update is caught by the same check."""
-    from specdec import tree_rejection
     from specdec.sampler import SamplingTensors
-    from specdec.tree_rejection import tree_verify
-    from tests.test_tree_rejection import P_BROKEN, P_OK, pvalues, random_dist
+    from specdec.spec import tree_rejection
+    from specdec.spec.tree_rejection import tree_verify
+    from tests.spec.test_tree_rejection import P_BROKEN, P_OK, pvalues, random_dist
 
     n = 20_000
     torch.manual_seed(33)

@@ -13,7 +13,7 @@ from specdec.drafters import recurrent_heads
 from specdec.drafters.base import DraftRequest
 from specdec.drafters.recurrent_drafter import RecurrentDrafter
 from specdec.drafters.recurrent_heads import RecurrentHeads
-from specdec.tree import DraftTree
+from specdec.spec.tree import DraftTree
 
 HIDDEN, VOCAB = 16, 40
 
@@ -152,7 +152,7 @@ def reference_dynamic_tree(d: RecurrentDrafter, req: DraftRequest) -> tuple[list
     """EAGLE-2 by hand: per depth, each frontier node's `width` best next tokens; the
     `width` best new ones (cumulative log-prob) form the next frontier; the tree keeps
     the max_nodes best candidates, best-first from the root."""
-    from specdec.tree import best_first
+    from specdec.spec.tree import best_first
 
     width = min(rcd.DYNAMIC_WIDTH, req.num_draft_tokens)
     paths: list[list[int]] = [[req.token_ids[-1]]]  # by node id; id 0 the root

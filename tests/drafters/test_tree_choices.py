@@ -10,7 +10,7 @@ from specdec.drafters.tree_choices import (
     greedy_choices,
     tree_from_choices,
 )
-from specdec.tree import DraftTree
+from specdec.spec.tree import DraftTree
 
 
 def is_ancestor_closed(tree: DraftTree) -> bool:

@@ -36,7 +36,8 @@ def test_mixed_batch_with_chunked_prefill_and_preemption(plain, tiny_model_dir, 
     prompts = random_prompts(100, 6)
     expected = token_ids(plain.generate(prompts, greedy()))
     spec = LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=24,
-               kv_cache_memory=9 * block_bytes(plain), speculative_config=spec_configs(tiny_model_dir, tiny_draft_dir)[method])
+               kv_cache_memory=9 * block_bytes(plain),
+               speculative_config=spec_configs(tiny_model_dir, tiny_draft_dir)[method])
     engine = spec.engine
     assert step_mixed(engine, prompts, greedy()) == expected
     assert spec.get_metrics()["num_preemptions"] > 0

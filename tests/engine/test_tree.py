@@ -1,4 +1,5 @@
-"""Tree speculation through the engine: Medusa (Medusa-1 and recurrent heads) and draft-model chains and trees are lossless."""
+"""Tree speculation through the engine: Medusa (Medusa-1 and recurrent heads) and draft-model chains
+and trees are lossless."""
 from __future__ import annotations
 
 import pytest
@@ -35,7 +36,7 @@ def test_chain_as_tree_equals_chain(tiny_model_dir, request, heads: str, seed: i
     chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(heads_dir))
     as_tree = LLM(str(tiny_model_dir), max_model_len=256,
                   speculative_config=medusa(heads_dir, num_tree_nodes=3, tree_choices=[[0], [0, 0], [0, 0, 0]]))
-    # Greedy here; tests/test_tree_rejection.py checks the stochastic chain equivalence.
+    # Greedy here; tests/spec/test_tree_rejection.py checks the stochastic chain equivalence.
     prompts = random_prompts(seed, 4)
     assert token_ids(as_tree.generate(prompts, greedy())) == token_ids(chain.generate(prompts, greedy()))
     a, b = chain.get_metrics(), as_tree.get_metrics()
@@ -47,7 +48,8 @@ def test_tree_with_chunked_prefill_and_preemption(tiny_model_dir, tiny_medusa_di
     plain = LLM(str(tiny_model_dir), max_model_len=128, speculative_config=None)
     prompts = random_prompts(21, 6)
     expected = token_ids(plain.generate(prompts, greedy()))
-    tree = LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=32, kv_cache_memory=10 * block_bytes(plain),
+    tree = LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=32,
+               kv_cache_memory=10 * block_bytes(plain),
                speculative_config=medusa(tiny_medusa_dir, num_tree_nodes=8))
     assert token_ids(tree.generate(prompts, greedy())) == expected
     assert tree.get_metrics()["num_preemptions"] > 0

@@ -232,7 +232,8 @@ def test_a_token_outside_the_embedding_is_refused(model: LlamaForCausalLM) -> No
     try:
         model.use_linear_backend(get_linear_backend("cpp-fp16"))
         for bad in (c.vocab_size, -1):
-            with torch.inference_mode(), pytest.raises(IndexError, match=f"outside the embedding's {c.vocab_size} rows"):
+            outside = f"outside the embedding's {c.vocab_size} rows"
+            with torch.inference_mode(), pytest.raises(IndexError, match=outside):
                 model(torch.tensor([5, bad, 7]), torch.arange(3), caches, single_request_meta(0, 3, [0], 4))
     finally:
         model.use_linear_backend(Fp32Linear())

@@ -263,7 +263,8 @@ def test_k_quants_run_on_their_exactly_repacked_blocks(tiny_model_dir: Path, tmp
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
 def test_quantize_at_load_keeps_blocks_only_and_speculation_lossless(tiny_model_dir: Path, qtype: str) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    plain = LLM(str(tiny_model_dir), quantization=qtype, max_model_len=128, kv_cache_memory=KV_BYTES, speculative_config=None)
+    plain = LLM(str(tiny_model_dir), quantization=qtype, max_model_len=128, kv_cache_memory=KV_BYTES,
+                speculative_config=None)
     spec = LLM(str(tiny_model_dir), quantization=qtype, max_model_len=128, kv_cache_memory=KV_BYTES,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     model = plain.engine.model

@@ -32,7 +32,7 @@ depth d decides positions[b] + d. Race exponentials for position t come from the
 (seed, t, RACE_STREAM), as in plain decoding; with draft_probs, the acceptance uniforms
 of the children of a depth-d node come from (seed, positions[b] + d, ACCEPT_STREAM), the
 j-th sibling taking the j-th draw. Nothing depends on how many draws other positions,
-steps or requests made, so a chain tree gives `specdec.rejection.rejection_sample`'s
+steps or requests made, so a chain tree gives `specdec.spec.rejection.rejection_sample`'s
 output exactly. Unseeded rows use the global RNG in batch-shaped calls, so their outputs
 match the chain sampler in distribution only.
 
@@ -46,7 +46,6 @@ from itertools import chain
 import torch
 from torch import Tensor
 
-from specdec.rejection import check_positions, device_index, residual_probs
 from specdec.sampler import (
     RACE_STREAM,
     SamplingTensors,
@@ -57,7 +56,8 @@ from specdec.sampler import (
     sample_keyed,
     sample_probs,
 )
-from specdec.tree import DraftTree
+from specdec.spec.rejection import check_positions, device_index, residual_probs
+from specdec.spec.tree import DraftTree
 
 
 @dataclass

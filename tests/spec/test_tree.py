@@ -1,4 +1,4 @@
-"""Tests for specdec.tree: structure, constructors, pruning."""
+"""Tests for specdec.spec.tree: structure, constructors, pruning."""
 from __future__ import annotations
 
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from specdec.tree import DraftTree, best_first, expand_layer
+from specdec.spec.tree import DraftTree, best_first, expand_layer
 
 #        0 (root, token 100)
 #       / \

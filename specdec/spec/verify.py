@@ -4,8 +4,8 @@
 Greedy requests, chains and trees alike, take one argmax over their rows and walk their
 trees on the host (`DraftTree.greedy_walk`): at a few rows per request that costs tens of
 microseconds, where the vectorised samplers' set-up cost 0.4-1 ms a step on the CPU.
-Sampled chains take a vectorised fast path (specdec/rejection.py), sampled trees the
-multi-candidate tree sampler (specdec/tree_rejection.py); the two agree exactly on
+Sampled chains take a vectorised fast path (specdec/spec/rejection.py), sampled trees the
+multi-candidate tree sampler (specdec/spec/tree_rejection.py); the two agree exactly on
 chains, and no other module distinguishes them.
 
 A seeded request's draws are keyed by the position they decide: its root row decides
@@ -19,11 +19,11 @@ import torch
 
 from specdec.logits_processors import process_logits
 from specdec.model_runner import ForwardOutput
-from specdec.rejection import rejection_sample
 from specdec.sampler import SamplingTensors, argmax, top_logprobs
 from specdec.scheduler import ScheduledRequest
-from specdec.tree import DraftTree
-from specdec.tree_rejection import tree_verify
+from specdec.spec.rejection import rejection_sample
+from specdec.spec.tree import DraftTree
+from specdec.spec.tree_rejection import tree_verify
 
 
 @dataclass

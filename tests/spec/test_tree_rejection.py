@@ -1,4 +1,4 @@
-"""Tests for specdec.tree_rejection: greedy walks, chain equivalence, exactness.
+"""Tests for specdec.spec.tree_rejection: greedy walks, chain equivalence, exactness.
 
 The statistical tests verify many independent requests in one batch, each with a
 two-level tree over a first-order Markov target, and check with chi-square tests that
@@ -9,17 +9,16 @@ asserts that the same check rejects it.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import Tensor
 
-from specdec import tree_rejection
-from specdec.tree import DraftTree
-from specdec.rejection import rejection_sample
 from specdec.sampler import SamplingTensors, sample_keyed
 from specdec.sampling_params import SamplingParams
-from specdec.tree_rejection import TreeResult, tree_verify
+from specdec.spec import tree_rejection
+from specdec.spec.rejection import rejection_sample
+from specdec.spec.tree import DraftTree
+from specdec.spec.tree_rejection import TreeResult, tree_verify
 
 V = 6  # vocab of the statistical tests
 N_TRIALS = 20_000  # requests per statistical batch (the broken control fails by > 40 orders)

@@ -1,4 +1,4 @@
-"""Tests for specdec.rejection: greedy cases, seeds, and exactness of the output distribution.
+"""Tests for specdec.spec.rejection: greedy cases, seeds, and exactness of the output distribution.
 
 The statistical tests run many independent requests in one batch and check, with a
 chi-square goodness-of-fit test, that the emitted tokens follow the target distribution.
@@ -8,7 +8,6 @@ without the position) and asserts that the same check rejects it.
 """
 from __future__ import annotations
 
-
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +15,10 @@ import pytest
 import torch
 from torch import Tensor
 
-import specdec.rejection as rejection
-from specdec.rejection import rejection_sample, residual_probs
+import specdec.spec.rejection as rejection
 from specdec.sampler import SamplingTensors, sample_keyed
 from specdec.sampling_params import SamplingParams
+from specdec.spec.rejection import rejection_sample, residual_probs
 
 V = 6  # vocab of the statistical tests
 N_TRIALS = 40_000  # requests per statistical batch
@@ -231,7 +230,8 @@ def plain_st(n: int, **kwargs: Any) -> SamplingTensors:
 
 def seeded_st(n: int) -> tuple[SamplingTensors, list[int]]:
     """n requests with distinct seeds at scattered positions: the sampling and the positions."""
-    return SamplingTensors.from_params([SamplingParams(seed=s) for s in range(n)]), [(s * 7919) % 1000 for s in range(n)]
+    seeded = SamplingTensors.from_params([SamplingParams(seed=s) for s in range(n)])
+    return seeded, [(s * 7919) % 1000 for s in range(n)]
 
 
 def test_statistical_seeded_residual(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ it must be exactly the longest matching prefix (or tree path) plus the target ar
 on seeded sampled rows with one-hot drafts it must be exactly what plain decoding with
 the same seed emits at those positions; tokens outside the target's support are never
 emitted; a draft equal to the target is always accepted. The exact output distribution is tested statistically elsewhere
-(tests/test_rejection.py, tests/test_tree_rejection.py).
+(tests/spec/test_rejection.py, tests/spec/test_tree_rejection.py).
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from specdec.tree import DraftTree
-from specdec.rejection import rejection_sample
 from specdec.sampler import SamplingTensors, logits_to_probs
 from specdec.sampling_params import SamplingParams
-from specdec.tree_rejection import TreeResult, tree_verify
+from specdec.spec.rejection import rejection_sample
+from specdec.spec.tree import DraftTree
+from specdec.spec.tree_rejection import TreeResult, tree_verify
 
 settings.register_profile("specdec-samplers", derandomize=True, database=None, deadline=None, max_examples=100,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,4 @@
-"""A seeded request decodes the same tokens whatever was drafted (specdec.verify).
+"""A seeded request decodes the same tokens whatever was drafted (specdec.spec.verify).
 
 The target is a synthetic second-order Markov model (logits = a table row chosen by the
 last two tokens), so each verify step can be fed exact target rows for any draft tree.
@@ -22,8 +22,8 @@ from specdec.model_runner import ForwardOutput
 from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest
-from specdec.tree import DraftTree
-from specdec.verify import verify
+from specdec.spec.tree import DraftTree
+from specdec.spec.verify import verify
 
 V = 16
 TABLE = torch.randn(V * V, V, generator=torch.Generator().manual_seed(0)) * 1.5  # [V * V, V]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specdec.kernels.metadata import AttentionMetadata
-from specdec.speculation import DraftLimit, SpeculationPolicy, StepReport
+from specdec.spec.policy import DraftLimit, SpeculationPolicy, StepReport
 
 if TYPE_CHECKING:
     from specdec.models import LlamaForCausalLM

@@ -4,7 +4,7 @@ scheduler asks while it plans.
 The scheduler gives the policy each decoding request's limit (what the token budget,
 the request's room and the speculative config allow); the policy answers with the
 number of draft tokens (tree nodes) it grants, 0 meaning plain decoding. `FixedSpeculation`
-grants the limit; `specdec.adaptive.AdaptiveSpeculation` grants what maximises expected
+grants the limit; `specdec.spec.adaptive.AdaptiveSpeculation` grants what maximises expected
 committed tokens per second.
 """
 from __future__ import annotations

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from specdec import LLM
-from specdec.adaptive import PROBE_EVERY, AdaptiveSpeculation, CostModel, DrafterPricing
-from specdec.speculation import DraftLimit, SpeculationPolicy, StepReport
+from specdec.spec.adaptive import PROBE_EVERY, AdaptiveSpeculation, CostModel, DrafterPricing
+from specdec.spec.policy import DraftLimit, SpeculationPolicy, StepReport
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
 
 
