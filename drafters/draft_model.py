@@ -13,10 +13,12 @@ from pathlib import Path
 import torch
 
 from specdec.block_manager import BlockManager
+from specdec.config import DTYPES
 from specdec.drafters.base import Drafter, DrafterContext, DraftRequest
 from specdec.model_registry import resolve_model
-from specdec.model_runner import ModelRunner
+from specdec.model_runner import KVCache, ModelRunner
 from specdec.models import LlamaForCausalLM, load_model
+from specdec.models.config import ModelConfig
 from specdec.request import Request
 from specdec.sampler import SamplingTensors, argmax, logits_to_probs, sample_probs
 from specdec.scheduler import ScheduledRequest
@@ -45,6 +47,19 @@ class DraftModelDrafter(Drafter):
         # As many blocks as the target, plus lookahead room for every running request.
         runner, block_manager = context.allocate_kv(model, context.num_kv_blocks + context.max_num_seqs)
         return cls(model, runner, block_manager, branching=context.spec.num_tree_nodes > 0)
+
+    @staticmethod
+    def device_bytes(name: str, block_size: int, dtype: torch.dtype, max_num_seqs: int) -> tuple[int, int]:
+        """(bytes per target KV block, fixed bytes) the draft model `name` will take once
+        built: its KV blocks in the activation dtype (one per target block, plus
+        max_num_seqs, as from_context allocates them), and its weights at their size on
+        disk converted to that dtype."""
+        path = resolve_draft_dir(name)
+        mc = ModelConfig.from_dir(path)
+        per_block = KVCache.bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        stored = DTYPES.get(mc.checkpoint_dtype or "float32", torch.float32).itemsize
+        weights = sum(f.stat().st_size for f in path.glob("*.safetensors")) * dtype.itemsize // stored
+        return per_block, weights + max_num_seqs * per_block
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         shadows = [self._sync(r) for r in requests]

@@ -1,6 +1,11 @@
-"""Builds the drafter that a speculative_config names."""
+"""Builds the drafter that a speculative_config names, and says what it will hold on the
+device before it is built (the engine sizes its KV cache first). The engine core reaches
+drafters only through this module and drafters/base.py."""
 from __future__ import annotations
 
+import torch
+
+from specdec.config import SpeculativeConfig
 from specdec.drafters.base import Drafter, DrafterContext
 
 
@@ -30,3 +35,16 @@ def build_drafter(context: DrafterContext) -> Drafter:
 
         return build_medusa(context)
     raise ValueError(f"unknown speculative method {spec.method!r}")
+
+
+def device_bytes(spec: SpeculativeConfig | None, block_size: int, dtype: torch.dtype,
+                 max_num_seqs: int) -> tuple[int, int]:
+    """(bytes per target KV block, fixed bytes) that the drafter `spec` names will take on
+    the device once built, to count in before the target's KV cache is sized: a draft
+    model's KV blocks and weights. (0, 0) for the others: n-gram and suffix drafters hold
+    nothing there, Medusa and recurrent heads are small enough for the headroom."""
+    if spec is not None and spec.method == "draft_model" and spec.model:
+        from specdec.drafters.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter.device_bytes(spec.model, block_size, dtype, max_num_seqs)
+    return 0, 0

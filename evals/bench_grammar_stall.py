@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.async_engine import AsyncEngine
 from specdec.evals.common import markdown_table
 from specdec.llm import LLM
 from specdec.sampling_params import SamplingParams, StructuredOutputsParams
-from specdec.server.async_engine import AsyncEngine
 from specdec.structured_output import GrammarLimits
 
 CASES = ("limits", "worker", "engine-thread")

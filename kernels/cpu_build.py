@@ -34,8 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from specdec.checksums import PARTIAL_SUFFIX, file_record, mismatch, write_json_atomic
-from specdec.model_registry import specdec_home
+from specdec.kernels.disk_cache import PARTIAL_SUFFIX, file_record, mismatch, specdec_home, write_json_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from specdec.async_engine import AsyncEngine
 from specdec.server.admission import Admission, AdmissionMiddleware, bearer_token, key_matches, resolve_api_key
-from specdec.server.async_engine import AsyncEngine
 from specdec.server.chat import chat_prompt, create_chat_completion
 from specdec.server.completions import create_completion
 from specdec.server.connections import guarded_protocol
@@ -45,6 +45,7 @@ from specdec.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from specdec.server.request_log import RequestRecord
 from specdec.server.state import (
     ServerLimits,
     ServerOptions,
@@ -165,7 +166,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     engine: Any = async_engine.engine
     num_spec = int(getattr(engine, "num_speculative_tokens", 0) or 0)
     options = options or ServerOptions()
-    async_engine.log_requests = options.log_requests
+    async_engine.request_log = RequestRecord if options.log_requests else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from specdec.async_engine import EngineDeadError, EngineShuttingDownError, RequestStream
 from specdec.outputs import RequestOutput
 from specdec.parallel_sampling import Prompt
 from specdec.sampling_params import SamplingParams
-from specdec.server.async_engine import EngineDeadError, EngineShuttingDownError, RequestStream
 from specdec.server.errors import APIError, unavailable
 from specdec.server.metrics import RequestTimer
 from specdec.server.state import ServerState

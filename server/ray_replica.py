@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from ray import serve
 
+from specdec.async_engine import AsyncEngine
 from specdec.server.app import build_app
 from specdec.server.asgi_relay import ForwardedRequest, ResponsePart, relay
-from specdec.server.async_engine import AsyncEngine
 from specdec.server.cors import CorsPolicy
 from specdec.server.state import ServerLimits, ServerOptions
 from specdec.server.stats_log import startup_summary

@@ -11,8 +11,8 @@ from typing import Any
 
 from fastapi import Request
 
+from specdec.async_engine import AsyncEngine
 from specdec.sampling_params import SamplingParams
-from specdec.server.async_engine import AsyncEngine
 from specdec.server.errors import APIError, params_error, unavailable
 from specdec.server.json_body import DEFAULT_MAX_JSON_DEPTH
 from specdec.server.logprobs import TokenStrings

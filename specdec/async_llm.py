@@ -5,7 +5,7 @@
             print(output.outputs[0].text)  # cumulative: the whole text so far
 
 `AsyncLLM(model, **options)` takes the options `LLM` takes. The engine runs on its own
-thread (specdec.server.async_engine.AsyncEngine, the server's engine front), so the event
+thread (specdec.async_engine.AsyncEngine, the server's engine front), so the event
 loop never blocks on a step. Each output of `generate` is cumulative, as vLLM's default
 output kind; the last has `finished=True`. Leaving the loop early, or cancelling the
 task that iterates, aborts the request and frees its KV blocks. `n > 1` fans out into
@@ -22,11 +22,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from specdec.async_engine import AsyncEngine
 from specdec.llm import PromptType, build_engine, options_signature, parse_prompt
 from specdec.model_registry import DEFAULT_MODEL
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import SamplingParams
-from specdec.server.async_engine import AsyncEngine
 
 SHUTDOWN_TIMEOUT = 30.0  # seconds to wait for the engine thread to stop
 

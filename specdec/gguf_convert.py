@@ -10,25 +10,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdec.checksums import model_dir_written
-from specdec.gguf_file import check_gguf
-
-# llama.cpp tensor names → HF names; {i} is the layer index.
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+from specdec.models.gguf_file import check_gguf
+from specdec.models.gguf_names import hf_name, qk_row_order
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -64,16 +47,6 @@ def _tensors(reader, config: dict) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def hf_name(gguf_name: str) -> str:
-    """The HF name of a llama GGUF tensor; ValueError for a tensor a llama has not."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} is not one of a llama model's")
-    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-
-
 def _unpermute(name: str, weight: torch.Tensor, config: dict) -> torch.Tensor:
     """llama.cpp interleaves q/k rows for its RoPE; HF uses rotate-half: undo it."""
     if name.endswith("q_proj.weight"):
@@ -81,12 +54,6 @@ def _unpermute(name: str, weight: torch.Tensor, config: dict) -> torch.Tensor:
     if name.endswith("k_proj.weight"):
         return weight[qk_row_order(weight.shape[0], config["num_key_value_heads"])]
     return weight
-
-
-def qk_row_order(rows: int, n_head: int) -> torch.Tensor:  # [rows] int64
-    """Which GGUF row of a q or k projection each HF row is: llama.cpp stores each head's
-    rows as (pair, half) interleaved for its RoPE, HF as (half, pair) for rotate-half."""
-    return torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
 
 
 def _write_config(out: Path, config: dict) -> None:

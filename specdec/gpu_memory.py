@@ -15,11 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from specdec.config import DTYPES, EngineConfig
-from specdec.drafters.draft_model import resolve_draft_dir
+from specdec.config import EngineConfig
+from specdec.drafters.factory import device_bytes
 from specdec.model_runner import KVCache, StepInputs, upload
 from specdec.models import LlamaForCausalLM
-from specdec.models.config import ModelConfig
 
 
 def kv_cache_blocks(total_bytes: int, used_bytes: int, utilization: float, bytes_per_block: int) -> int:
@@ -89,19 +88,10 @@ def measure_used_bytes(run: Callable[[], None], device: torch.device) -> tuple[i
 
 
 def draft_model_bytes(config: EngineConfig) -> tuple[int, int]:
-    """(bytes per KV block, fixed bytes) a draft model takes once the drafter loads it:
-    its KV blocks in the activation dtype (one per target block, plus max_num_seqs, see
-    DraftModelDrafter.from_context), and its weights at their size on disk converted to
-    the model dtype. (0, 0) without a draft model."""
-    spec = config.speculative_config
-    if spec is None or spec.method != "draft_model" or not spec.model:
-        return 0, 0
-    path = resolve_draft_dir(spec.model)
-    mc = ModelConfig.from_dir(path)
-    per_block = KVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, config.dtype)
-    stored = DTYPES.get(mc.checkpoint_dtype or "float32", torch.float32).itemsize
-    weights = sum(f.stat().st_size for f in path.glob("*.safetensors")) * config.dtype.itemsize // stored
-    return per_block, weights + config.max_num_seqs * per_block
+    """(bytes per KV block, fixed bytes) the drafter takes once it is built, as
+    drafters/factory.py's device_bytes says: a draft model's KV blocks (one per target
+    block, plus max_num_seqs) and weights. (0, 0) without a draft model."""
+    return device_bytes(config.speculative_config, config.block_size, config.dtype, config.max_num_seqs)
 
 
 def gpu_kv_blocks(model: LlamaForCausalLM, config: EngineConfig, max_model_len: int, bytes_per_block: int,

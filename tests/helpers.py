@@ -157,7 +157,7 @@ class RunningServer:
     base_url: str
     model: str
     api_key: str | None
-    async_engine: Any  # specdec.server.async_engine.AsyncEngine
+    async_engine: Any  # specdec.async_engine.AsyncEngine
     tokenizer: Any
     server: uvicorn.Server
     thread: threading.Thread
@@ -178,9 +178,9 @@ class RunningServer:
 
 def start_server(model_dir: Path, name: str, api_key: str | None, **engine_args: Any) -> RunningServer:
     """A server for `model_dir` with a KV cache of NUM_BLOCKS blocks (small, so tests can fill it)."""
+    from specdec.async_engine import AsyncEngine
     from specdec.llm import LLM
     from specdec.server.app import build_app
-    from specdec.server.async_engine import AsyncEngine
 
     block = 2 * 2 * 16 * 2 * 16 * 2  # K+V, 2 layers, 16 slots, 2 kv heads, head_dim 16, fp16 ("auto")
     llm = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=NUM_BLOCKS * block, **engine_args)
@@ -340,12 +340,12 @@ def serve_in_thread(model_dir: Path, *flags: str) -> RunningServer:
     """The server `specdec serve MODEL_DIR *flags` builds (app.make_server: its flags, its
     uvicorn settings, its drain), in a thread. Not being the main thread, it installs no
     signal handlers: a test calls `running.server.handle_exit(...)` as a signal would."""
+    from specdec.async_engine import AsyncEngine
     from specdec.cli import build_parser
     from specdec.engine_args import engine_kwargs
     from specdec.llm import LLM
     from specdec.server.admission import resolve_api_key
     from specdec.server.app import make_server
-    from specdec.server.async_engine import AsyncEngine
 
     kv_bytes = NUM_BLOCKS * 2 * 2 * 16 * 2 * 16 * 2  # as start_server's
     args = build_parser().parse_args(["serve", str(model_dir), "--served-model-name", "tiny", "--max-model-len",

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
+from specdec.async_engine import EngineDeadError
 from specdec.async_llm import AsyncLLM
 from specdec.llm import LLM
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import SamplingParams
-from specdec.server.async_engine import EngineDeadError
 from tests.helpers import greedy, slow_engine_steps
 
 OPTIONS: dict[str, Any] = {"max_model_len": 96, "kv_cache_memory": 1 << 20}

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from specdec import LLM, SamplingParams
+from specdec.async_engine import AsyncEngine
 from specdec.sampling_params import StructuredOutputsParams as Constraint
-from specdec.server.async_engine import AsyncEngine
 from specdec.structured_output import CompiledGrammar, GrammarCompiler, GrammarError, GrammarLimits
 
 

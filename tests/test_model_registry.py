@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from specdec import LLM, SamplingParams, model_registry
-from specdec.checksums import MODEL_MANIFEST, CorruptModelError, sha256_file
+from specdec.checksums import MODEL_MANIFEST, CorruptModelError
+from specdec.kernels.disk_cache import sha256_file
 from tests.models.test_gguf_load import write_gguf
 
 

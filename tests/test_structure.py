@@ -1,9 +1,14 @@
-"""Structural rules of the code base: no import cycles (deferred imports included), no
-Python file over 500 lines, and one draft form (no chain-vs-tree branches)."""
+"""Structural rules of the code base: no import cycles (deferred imports included), the
+layers (kernels import only kernels, models only models and kernels, the engine core no
+server module and no concrete drafter), no Python file over 500 lines, and one draft form
+(no chain-vs-tree branches)."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Source folder -> the package it installs as (pyproject.toml's package-dir).
@@ -50,13 +55,16 @@ def _runtime_imports(tree: ast.AST) -> list[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(ancestors: bool = False) -> dict[str, set[str]]:
+    """Each module's runtime imports of our own modules. A package's __init__ runs on first
+    import of any submodule, so an import of a module's own enclosing package is no edge
+    for the cycle check; `ancestors` keeps those edges, for the layer rules (`from specdec
+    import LLM` in kernels/ depends on specdec/__init__.py)."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         targets = {t for t in _runtime_imports(ast.parse(path.read_text())) if t in modules}
-        # A package's __init__ runs on first import of any submodule: not a dependency edge.
-        graph[name] = {t for t in targets if t != name and not name.startswith(t + ".")}
+        graph[name] = {t for t in targets if t != name and (ancestors or not name.startswith(t + "."))}
     return graph
 
 
@@ -102,6 +110,105 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_import_cycles() -> None:
     assert cycles(import_graph()) == []
+
+
+# ---- layers ------------------------------------------------------------------------------
+
+KERNELS, MODELS, DRAFTERS, SERVER = "specdec.kernels", "specdec.models", "specdec.drafters", "specdec.server"
+NOT_CORE = (KERNELS, MODELS, DRAFTERS, SERVER, "specdec.evals")
+# What the core may use of drafters/: the interface (base.py, which the package re-exports)
+# and the factory that builds a drafter by name.
+DRAFTER_INTERFACE = {DRAFTERS, f"{DRAFTERS}.base", f"{DRAFTERS}.factory"}
+# The command line sits above every layer: `specdec serve` starts the server (server/app.py,
+# server/ray_launch.py), `specdec eval` runs evals/.
+ENTRY_POINTS = {"specdec.cli"}
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def is_core(name: str) -> bool:
+    """The engine core: the modules directly under specdec/ and specdec/spec/."""
+    parts = name.split(".")
+    if parts[0] != "specdec" or any(_within(name, p) for p in NOT_CORE):
+        return False
+    return len(parts) <= 2 or _within(name, "specdec.spec")
+
+
+def _core_may_import(target: str) -> bool:
+    return not _within(target, SERVER) and (not _within(target, DRAFTERS) or target in DRAFTER_INTERFACE)
+
+
+KERNELS_RULE = "kernels/ imports nothing of specdec but specdec.kernels"
+MODELS_RULE = "specdec/models/ imports only specdec.models and specdec.kernels"
+CORE_RULE = "the core (specdec/*.py, specdec/spec/) imports no server module and no concrete drafter"
+# rule -> (whether it binds an importing module, whether that module may import a target)
+LAYER_RULES: dict[str, tuple[Callable[[str], bool], Callable[[str], bool]]] = {
+    KERNELS_RULE: (lambda m: _within(m, KERNELS), lambda t: _within(t, KERNELS)),
+    MODELS_RULE: (lambda m: _within(m, MODELS), lambda t: _within(t, MODELS) or _within(t, KERNELS)),
+    CORE_RULE: (lambda m: is_core(m) and m not in ENTRY_POINTS, _core_may_import),
+}
+
+
+def layer_violations(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Per rule, every import that breaks it, as "importer -> imported"."""
+    return {rule: sorted(f"{m} -> {t}" for m, targets in graph.items() if binds(m)
+                         for t in targets if not may_import(t))
+            for rule, (binds, may_import) in LAYER_RULES.items()}
+
+
+def test_imports_found_include_deferred_ones_but_not_type_checking_ones() -> None:
+    source = """
+from typing import TYPE_CHECKING
+import specdec.a
+if TYPE_CHECKING:
+    from specdec.server import b
+else:
+    import specdec.c
+def f():
+    from specdec.drafters.ngram import NgramDrafter
+"""
+    found = _runtime_imports(ast.parse(source))
+    assert {"specdec.a", "specdec.c", "specdec.drafters.ngram"} <= set(found)
+    assert not any(name.startswith("specdec.server") for name in found)
+
+
+def test_the_core_is_specdec_and_spec_only() -> None:
+    assert all(map(is_core, ["specdec", "specdec.engine", "specdec.spec", "specdec.spec.verify"]))
+    assert not any(map(is_core, ["specdec.models", "specdec.models.llama", "specdec.kernels.linear",
+                                 "specdec.drafters.base", "specdec.server.app", "specdec.evals.latency"]))
+
+
+def test_the_layer_rules_catch_what_breaks_them() -> None:
+    fake = {
+        "specdec.kernels.linear": {"specdec.kernels.gguf_blocks", "specdec.model_registry"},
+        "specdec.kernels.cpu_build": {"specdec", "specdec.kernels"},
+        "specdec.models.loader": {"specdec.kernels.linear", "specdec.models.config", "specdec.gguf_convert"},
+        "specdec.models.tokenizer": {"specdec.drafters.base"},
+        "specdec.gpu_memory": {"specdec.models", "specdec.drafters.factory", "specdec.drafters.draft_model"},
+        "specdec.spec.verify": {"specdec.drafters.base", "specdec.drafters", "specdec.server.async_engine"},
+        "specdec.async_llm": {"specdec.server", "specdec.engine"},
+        "specdec.cli": {"specdec.server.app"},  # the entry point
+        "specdec.server.app": {"specdec.drafters.ngram", "specdec.engine"},  # not bound by these rules
+        "specdec.drafters.ngram": {"specdec.server.errors", "specdec.model_registry"},
+    }
+    assert layer_violations(fake) == {
+        KERNELS_RULE: ["specdec.kernels.cpu_build -> specdec", "specdec.kernels.linear -> specdec.model_registry"],
+        MODELS_RULE: ["specdec.models.loader -> specdec.gguf_convert",
+                      "specdec.models.tokenizer -> specdec.drafters.base"],
+        CORE_RULE: ["specdec.async_llm -> specdec.server", "specdec.gpu_memory -> specdec.drafters.draft_model",
+                    "specdec.spec.verify -> specdec.server.async_engine"],
+    }
+
+
+@pytest.mark.parametrize("rule", list(LAYER_RULES))
+def test_layers(rule: str) -> None:
+    """Runtime imports, deferred ones included; imports under `if TYPE_CHECKING:` are free."""
+    graph = import_graph(ancestors=True)
+    binds, _ = LAYER_RULES[rule]
+    assert any(map(binds, graph)), f"{rule}: binds no module (were the folders renamed?)"
+    assert layer_violations(graph)[rule] == []
 
 
 def test_no_python_file_over_the_limit() -> None:

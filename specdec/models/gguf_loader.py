@@ -22,10 +22,10 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from torch import Tensor
 
-from specdec.gguf_convert import hf_name, qk_row_order
-from specdec.gguf_file import GGUFFileError, check_gguf
 from specdec.kernels.gguf_blocks import BLOCK_TYPES, QuantizedMatrix
 from specdec.models.config import ModelConfig
+from specdec.models.gguf_file import GGUFFileError, check_gguf
+from specdec.models.gguf_names import hf_name, qk_row_order
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 BLOCK_NAMES = {ggml_type: name for name, ggml_type in BLOCK_TYPES.items()}

@@ -7,8 +7,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from specdec.gguf_file import check_gguf
-from specdec.model_registry import specdec_home
+from specdec.kernels.disk_cache import specdec_home
+from specdec.models.gguf_file import check_gguf
 from specdec.models.gguf_loader import is_gguf
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from specdec import LLM
 from specdec.cli import main
-from specdec.gguf_file import GGUFFileError, GGUFTruncatedError, check_gguf
 from specdec.models import load_model, load_tokenizer
+from specdec.models.gguf_file import GGUFFileError, GGUFTruncatedError, check_gguf
 from specdec.models.gguf_loader import open_gguf
 from tests.models.test_gguf_load import write_gguf
 

@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
+from specdec.async_engine import AsyncEngine, EngineShuttingDownError
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.sampling_params import SamplingParams
 from specdec.server.app import build_app
-from specdec.server.async_engine import AsyncEngine, EngineShuttingDownError
 from tests.helpers import wait_until
 
 

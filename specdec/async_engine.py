@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,7 +23,6 @@ from specdec.faults import STEP_FAILED
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.parallel_sampling import ParentRequest, Prompt
 from specdec.sampling_params import SamplingParams
-from specdec.server.request_log import RequestRecord
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,13 @@ class EngineLike(Protocol):
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
     def get_metrics(self) -> dict[str, Any]: ...
+
+
+class RequestRecord(Protocol):
+    """One request's log lines (the server's: server/request_log.py, --enable-log-requests)."""
+
+    def admitted(self, prompt: Prompt, params: SamplingParams, speculative: bool) -> None: ...
+    def observe(self, output: RequestOutput, parent: ParentRequest) -> None: ...
 
 
 # ---- per-request state shared by the two threads -----------------------------------------
@@ -173,12 +180,13 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """`log_requests`: log a line when each request is admitted and when it finishes
-    (server/request_log.py); the server sets it from --enable-log-requests."""
+    """`request_log`: makes each request's RequestRecord from its id, which logs a line when
+    the request is admitted and when it finishes (None: no lines); the server sets it to
+    server/request_log.py's RequestRecord for --enable-log-requests."""
 
-    def __init__(self, engine: EngineLike, log_requests: bool = False) -> None:
+    def __init__(self, engine: EngineLike, request_log: Callable[[str], RequestRecord] | None = None) -> None:
         self.engine = engine
-        self.log_requests = log_requests
+        self.request_log = request_log
         self.can_speculate = int(getattr(engine, "num_speculative_tokens", 0) or 0) > 0
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._lock = threading.Lock()  # orders "submit" against "the loop has closed"
@@ -217,7 +225,7 @@ class AsyncEngine:
         self._check_accepting()
         grammar = await self.engine.compile_grammar(params)
         loop = asyncio.get_running_loop()
-        record = RequestRecord(request_id) if self.log_requests else None
+        record = self.request_log(request_id) if self.request_log is not None else None
         group = _Group(ParentRequest(request_id, params), loop, record)
         future: asyncio.Future[None] = loop.create_future()
         self._submit(_Add(group, prompt, use_speculation, grammar, future))
