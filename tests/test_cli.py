@@ -53,14 +53,16 @@ def test_every_flag_reaches_the_config() -> None:
     argv = ["serve", "my-model", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
             "--max-model-len", "100", "--max-num-batched-tokens", "50", "--max-num-seqs", "3", "--block-size", "8",
             "--kv-cache-memory", "12345", "--kv-cache-dtype", "fp8", "--enable-prefix-caching", "--dtype", "bf16",
-            "--linear-backend", "fp32", "--attention-backend", "torch", "--seed", "7", "--device", "cpu"]
+            "--linear-backend", "fp32", "--attention-backend", "torch", "--seed", "7", "--device", "cpu",
+            "--max-grammar-compile-s", "2.5", "--max-guided-choices", "7", "--max-grammar-bytes", "4096"]
     args = build_parser().parse_args(argv)
     config = EngineConfig(model=args.model, **engine_kwargs(args))
     assert set(engine_kwargs(args)) | {"model"} == {f.name for f in fields(EngineConfig)}
     assert config.speculative_config is not None and config.speculative_config.num_speculative_tokens == 3
     expected = dict(model="my-model", max_model_len=100, max_num_batched_tokens=50, max_num_seqs=3, block_size=8,
                     kv_cache_memory=12345, kv_cache_dtype="fp8", enable_prefix_caching=True, dtype=torch.bfloat16,
-                    linear_backend="fp32", attention_backend="torch", seed=7, device="cpu")
+                    linear_backend="fp32", attention_backend="torch", seed=7, device="cpu",
+                    max_grammar_compile_s=2.5, max_guided_choices=7, max_grammar_bytes=4096)
     assert {name: getattr(config, name) for name in expected} == expected
 
 

@@ -11,6 +11,7 @@ import torch
 
 from specdec.config import ATTENTION_BACKENDS, DEFAULT_KV_CACHE_MEMORY, EngineConfig, SpeculativeConfig
 from specdec.llm import LLM
+from specdec.structured_output import GrammarLimits
 
 
 def test_raw_values_are_converted_once() -> None:
@@ -62,10 +63,23 @@ def test_llm_passes_every_option_through(tiny_model_dir: Path) -> None:
                    kv_cache_dtype="fp32", enable_prefix_caching=True, dtype="float32", linear_backend="fp32",
                    attention_backend="torch", seed=3, device="cpu", prefill_step_target_ms=100.0,
                    chat_template="{{ messages }}", quantization="none", quantized_activations="float32",
-                   gpu_memory_utilization=0.5,
-                   enforce_eager=True)
+                   gpu_memory_utilization=0.5, max_grammar_compile_s=2.5, max_guided_choices=7,
+                   max_grammar_bytes=4096, enforce_eager=True)
     assert set(options) | {"model"} == {f.name for f in fields(EngineConfig)}
-    config = LLM(str(tiny_model_dir), **options).engine.config
+    engine = LLM(str(tiny_model_dir), **options).engine
+    config = engine.config
+    assert engine.grammars.limits == GrammarLimits(compile_s=2.5, max_choices=7, max_bytes=4096)
     expected = EngineConfig(model=str(tiny_model_dir), **options)  # type: ignore[arg-type]
     assert {f.name: getattr(config, f.name) for f in fields(EngineConfig)} == \
         {f.name: getattr(expected, f.name) for f in fields(EngineConfig)}
+
+
+@pytest.mark.parametrize(("option", "needle"), [
+    ({"max_grammar_compile_s": 0.0}, "max_grammar_compile_s must be a positive number"),
+    ({"max_grammar_compile_s": float("nan")}, "max_grammar_compile_s must be a positive number"),
+    ({"max_guided_choices": 0}, "max_guided_choices must be positive"),
+    ({"max_grammar_bytes": -1}, "max_grammar_bytes must be positive"),
+])
+def test_grammar_limits_are_checked(tiny_model_dir: Path, option: dict[str, float], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        LLM(str(tiny_model_dir), speculative_config=None, **option)  # type: ignore[arg-type]
