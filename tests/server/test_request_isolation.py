@@ -75,3 +75,17 @@ def test_a_grammar_over_the_compile_time_bound_is_a_400(server: RunningServer,
                                                         "guided_choice": choices})
     assert response.status_code == 400, response.text
     assert "max_grammar_compile_s=1e-06" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "abc\ud800def"}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \udfff"}]}, "messages"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server: RunningServer, path: str, body: dict[str, Any],
+                                                    param: str) -> None:
+    raw = json.dumps({"model": server.model, "max_tokens": 4, **body})  # ASCII-escaped: "\ud800" travels as is
+    with server.client() as client:
+        response = client.post(path, content=raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "surrogate" in error["message"] and error["param"].startswith(param)
