@@ -41,7 +41,8 @@ from torch import Tensor
 
 from specdec.allocator import keep_freed_memory
 from specdec.config import EngineConfig
-from specdec.kernels.attention import make_attention_backend
+from specdec.executor import choose_executor
+from specdec.kernels.attention import AttentionBackend, make_attention_backend
 from specdec.kernels.linear import LinearBackend, available_linear_backends, get_linear_backend
 from specdec.kernels.linear_gguf import GgufLinear
 from specdec.model_registry import DEFAULT_MODEL, resolve_model
@@ -137,7 +138,7 @@ class VerifyRig:
         for layer in kv.layers:  # plausible cache contents (timings don't care)
             layer.k.normal_(generator=gen)
             layer.v.normal_(generator=gen)
-        self.runner = ModelRunner(model, config, kv, torch.device("cpu"))
+        self.runner = ModelRunner(choose_executor(model, kv.layers), config, kv, torch.device("cpu"))
         self.tokens = torch.randint(3, mc.vocab_size, (max_tokens,), generator=gen).tolist()
         self.block_table = list(range(num_blocks))
 
@@ -154,6 +155,14 @@ class VerifyRig:
     def step(self, context: int, num_query: int) -> torch.Tensor:  # [num_query, V] logits
         return self.runner.execute(*self.batch(context, num_query)).logits
 
+    def use(self, packing: PackedWeights, attention: AttentionBackend[Any] | None = None) -> None:
+        """Install a packing (and an attention backend), and the executor an engine built
+        on them would choose (the C++ layer loop or the Python layers)."""
+        install_linears(self.model, packing)
+        if attention is not None:
+            self.model.attention_backend = attention
+        self.runner.executor = choose_executor(self.model, self.runner.kv_cache.layers)
+
 
 def bench_model(rig: VerifyRig, packed: dict[str, PackedWeights], args: argparse.Namespace
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -161,10 +170,7 @@ def bench_model(rig: VerifyRig, packed: dict[str, PackedWeights], args: argparse
     attention_backends = {name: make_attention_backend(name, "cpu") for name in args.attention_backends}
 
     def install(p: PackedWeights, attention: str) -> Callable[[], None]:
-        def setup() -> None:
-            install_linears(rig.model, p)
-            rig.model.attention_backend = attention_backends[attention]
-        return setup
+        return lambda: rig.use(p, attention_backends[attention])
 
     def step(context: int, q: int) -> Callable[[], Tensor]:
         return lambda: rig.step(context, q)
@@ -189,7 +195,7 @@ def check_invariance(rig: VerifyRig, packed: dict[str, PackedWeights], context: 
     """Verify-forward logits over num_query tokens vs num_query one-token decode steps."""
     out: dict[str, Any] = {}
     for name, p in packed.items():
-        install_linears(rig.model, p)
+        rig.use(p)
         decode = torch.cat([rig.step(context + i, 1) for i in range(num_query)])
         verify = rig.step(context, num_query)
         diff = (verify - decode).abs().max().item()
@@ -212,7 +218,7 @@ def check_accuracy(rig: VerifyRig, packed: dict[str, PackedWeights], model_dir: 
     batch = [ScheduledRequest(request, 1, chain.num_drafts, chain.max_depth)]
     logits = {}
     for name, p in packed.items():
-        install_linears(rig.model, p)
+        rig.use(p)
         logits[name] = rig.runner.execute(batch, [chain]).logits
     ref = logits.get("fp32", next(iter(logits.values())))
     return {name: {"rel_err": float((got - ref).norm() / ref.norm()),

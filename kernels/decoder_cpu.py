@@ -13,7 +13,8 @@ specdec/models/llama.py's layer code is its reference (tests/kernels/test_decode
 `runs_embedding`, `runs_projection` and `supports_cache` say what it runs: a float32 or
 one-segment GGUF embedding table, the linear backends "gguf"/q8_0/q4_0/q4_1 (one block
 segment per projection) or "cpp-fp16", and a cache the C++ attention and K/V store read
-(fp32, fp16 or bf16); the model checks the rest (float32, no q/k norm).
+(fp32, fp16 or bf16); its caller (specdec/executor.py's CppLayerLoop) checks the rest
+(float32, no q/k norm) and builds a new `DecoderLayers` when the projections are repacked.
 """
 from __future__ import annotations
 

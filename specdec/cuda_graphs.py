@@ -17,18 +17,19 @@ GPU (`cuda`-marked tests).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.config import EngineConfig
+from specdec.executor import Executor, choose_executor
+from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
 from specdec.model_runner import ForwardOutput, KVCache, ModelRunner, StepInputs, stack_masks, to_device
 from specdec.models import LlamaForCausalLM
-from specdec.scheduler import ScheduledRequest
-from specdec.spec.tree import DraftTree
+from specdec.models.linear import PackedWeights
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -179,13 +180,18 @@ def capture_graph(forward: Callable[[], torch.Tensor], pool: _POOL_HANDLE, devic
     return CapturedStep(graph, hidden)
 
 
-class CudaGraphRunner(ModelRunner):
-    """A ModelRunner that replays a captured graph for every step fitting a graph shape
-    and runs the others eagerly. CUDA and the triton attention backend only."""
+class CudaGraphs(Executor):
+    """The executor on CUDA: replays a captured graph of `eager`'s forward for every step
+    fitting a graph shape, and leaves the other steps, and forwards over other tensors
+    (calibration, profiling), to `eager`. CUDA and the triton attention backend only."""
 
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, kv_cache: KVCache,
-                 device: torch.device, max_model_len: int) -> None:
-        super().__init__(model, config, kv_cache, device)
+    def __init__(self, eager: Executor, config: EngineConfig, kv_cache: KVCache, device: torch.device,
+                 max_model_len: int) -> None:
+        super().__init__(eager.model)
+        self.eager = eager
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = config.block_size
         self.shapes = graph_shapes(config)
         # Wide enough for a request at max_model_len plus its lookahead and its padding.
         longest = max_model_len + 2 * max(s.query_len for s in self.shapes)
@@ -207,26 +213,35 @@ class CudaGraphRunner(ModelRunner):
         """The target's forward of a `shape` step on the static buffers."""
         t = shape.num_tokens
         meta = self.static.metadata(shape)
-        return lambda: self.model(self.static.token_ids[:t], self.static.positions[:t], self.kv_cache.layers, meta)
+        return lambda: self.eager.forward(self.static.token_ids[:t], self.static.positions[:t], self.kv_cache.layers,
+                                          meta)
 
-    @torch.inference_mode()
-    def execute(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree]) -> ForwardOutput:
-        inputs = self.prepare(batch, trees)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[PagedKV],
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.eager.forward(input_ids, positions, kv_caches, meta)
+
+    def run(self, inputs: StepInputs, kv_caches: list[PagedKV], device: torch.device) -> ForwardOutput:
         shape = choose_shape(inputs, self.shapes)
-        if shape is None:
-            return self.run(inputs)
+        if shape is None or kv_caches is not self.kv_cache.layers:  # the graphs read the cache they were captured on
+            return self.eager.run(inputs, kv_caches, device)
         padded = pad_inputs(inputs, shape, self.block_size)
         self.static.fill(padded, shape)
         step = self.captured[shape]
         step.graph.replay()
         # Gathered into new tensors: the next replay overwrites the graph's buffer.
-        hidden = step.hidden[to_device(padded.logit_rows, torch.int64, self.device)]  # [R, H]
+        hidden = step.hidden[to_device(padded.logit_rows, torch.int64, device)]  # [R, H]
         return ForwardOutput(self.model.compute_logits(hidden), hidden, inputs.num_rows)
+
+    def install_linears(self, weights: PackedWeights) -> None:
+        self.eager.install_linears(weights)
+        self.capture()  # the graphs replay the kernels on the packings they were captured with
 
 
 def make_runner(model: LlamaForCausalLM, config: EngineConfig, kv_cache: KVCache, device: torch.device,
                 max_model_len: int) -> ModelRunner:
-    """The target's runner: graphs on CUDA unless enforce_eager, else eager."""
+    """The target's runner and its executor: CUDA graphs over the eager executor on CUDA
+    unless enforce_eager, else choose_executor's."""
+    executor = choose_executor(model, kv_cache.layers)
     if device.type == "cuda" and not config.enforce_eager:
-        return CudaGraphRunner(model, config, kv_cache, device, max_model_len)
-    return ModelRunner(model, config, kv_cache, device)
+        executor = CudaGraphs(executor, config, kv_cache, device, max_model_len)
+    return ModelRunner(executor, config, kv_cache, device)

@@ -15,6 +15,7 @@ from specdec.cuda_graphs import make_runner
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.drafters.base import Drafter, DrafterContext, DraftRequest
 from specdec.drafters.factory import build_drafter
+from specdec.executor import choose_executor
 from specdec.faults import STEP_FAILED, fault_message
 from specdec.gpu_memory import gpu_kv_blocks
 from specdec.kernels.kv_ops import move_kv
@@ -85,7 +86,8 @@ class LLMEngine:
         kv = KVCache(mc.num_layers, num_blocks, self.config.block_size, mc.num_kv_heads, mc.head_dim,
                      self.config.dtype, self.device)
         config = replace(self.config, enable_prefix_caching=False)
-        return ModelRunner(model, config, kv, self.device), BlockManager(num_blocks, self.config.block_size, False)
+        runner = ModelRunner(choose_executor(model, kv.layers), config, kv, self.device)
+        return runner, BlockManager(num_blocks, self.config.block_size, False)
 
     def _num_blocks(self) -> int:
         mc = self.model_config
@@ -352,7 +354,7 @@ def _without(batch: list[ScheduledRequest], trees: list[DraftTree],
 
 def _build_adaptive(engine: LLMEngine) -> CostLearning:
     """Calibrate the target's forward cost now, while the KV pool is still empty."""
-    cost = calibrate(engine.model, engine.runner.kv_cache.layers, engine.config.block_size)
+    cost = calibrate(engine.runner.executor, engine.runner.kv_cache.layers, engine.config.block_size)
     spec = engine.config.speculative_config
     assert spec is not None
     if spec.drafter_prices_guesses:

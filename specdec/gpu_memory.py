@@ -17,6 +17,7 @@ import torch
 
 from specdec.config import EngineConfig
 from specdec.drafters.factory import device_bytes
+from specdec.executor import Executor, PythonLayers
 from specdec.model_runner import KVCache, StepInputs, upload
 from specdec.models import LlamaForCausalLM
 
@@ -40,16 +41,17 @@ def step_lengths(num_tokens: int, max_model_len: int) -> list[int]:
 
 
 @torch.inference_mode()
-def profile_step(model: LlamaForCausalLM, config: EngineConfig, max_model_len: int, device: torch.device) -> None:
+def profile_step(executor: Executor, config: EngineConfig, max_model_len: int, device: torch.device) -> None:
     """The step with the largest activations the engine will run: a prefill of
     max_num_batched_tokens tokens, on a throwaway KV cache just big enough for it, then
     the LM head and a softmax over as many rows as a full batch of verify steps needs."""
+    model = executor.model
     mc = model.config
     inputs, num_blocks = prefill_inputs(step_lengths(config.max_num_batched_tokens, max_model_len), config.block_size)
     kv = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                  config.kv_cache_torch_dtype, device)
     ids, positions, meta, _ = upload(inputs, device)
-    hidden = model(ids, positions, kv.layers, meta)  # [T, H]
+    hidden = executor.forward(ids, positions, kv.layers, meta)  # [T, H]
     spec = config.speculative_config
     rows = min(hidden.shape[0], config.max_num_seqs * (1 + (spec.num_lookahead_slots if spec else 0)))
     torch.softmax(model.compute_logits(hidden[-rows:]), dim=-1)
@@ -98,6 +100,8 @@ def gpu_kv_blocks(model: LlamaForCausalLM, config: EngineConfig, max_model_len: 
                   device: torch.device) -> int:
     """The target's KV blocks on CUDA for gpu_memory_utilization (see the module docstring)."""
     draft_per_block, draft_fixed = draft_model_bytes(config)
-    total, used = measure_used_bytes(lambda: profile_step(model, config, max_model_len, device), device)
+    # Before the runner and its executor exist: the Python layers, what runs (or is captured) on CUDA.
+    eager = PythonLayers(model)
+    total, used = measure_used_bytes(lambda: profile_step(eager, config, max_model_len, device), device)
     return kv_cache_blocks(total, used + draft_fixed, config.gpu_memory_utilization,
                            bytes_per_block + draft_per_block)

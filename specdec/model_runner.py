@@ -3,15 +3,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.config import EngineConfig
 from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
-from specdec.models import LlamaForCausalLM
 from specdec.scheduler import ScheduledRequest
 from specdec.spec.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specdec.executor import Executor
 
 
 @dataclass
@@ -55,9 +58,11 @@ class KVCache:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, kv_cache: KVCache,
-                 device: torch.device) -> None:
-        self.model = model
+    """Lays each step's requests out as one forward's inputs and runs them on `executor`,
+    the one object that runs the forward (specdec/executor.py), over `kv_cache`."""
+
+    def __init__(self, executor: Executor, config: EngineConfig, kv_cache: KVCache, device: torch.device) -> None:
+        self.executor = executor
         self.config = config
         self.kv_cache = kv_cache
         self.device = device
@@ -67,14 +72,7 @@ class ModelRunner:
     def execute(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree]) -> ForwardOutput:
         """One forward over every request's known tokens and draft tree (trees[i] is
         rooted at batch[i]'s last known token; the root alone when nothing is drafted)."""
-        return self.run(self.prepare(batch, trees))
-
-    def run(self, inputs: StepInputs) -> ForwardOutput:
-        """The eager forward of one step's inputs."""
-        input_ids, positions, meta, logit_rows = upload(inputs, self.device)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, H]
-        hidden = hidden[logit_rows] if logit_rows.shape[0] < hidden.shape[0] else hidden
-        return ForwardOutput(self.model.compute_logits(hidden), hidden, inputs.num_rows)
+        return self.executor.run(self.prepare(batch, trees), self.kv_cache.layers, self.device)
 
     def prepare(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree]) -> StepInputs:
         inputs = StepInputs([], [], [], [], [], [], [], None, [])

@@ -14,7 +14,7 @@ everything here, but stored as blocks, which its backend (kernels/linear_gguf.py
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,9 +37,6 @@ class PackedLinear(nn.Module):
 
     weight: nn.Parameter
     bias: nn.Parameter | None
-    # Bumped by every `install` in the process: a holder of pointers into packings (the
-    # C++ layer loop) rechecks them only when it moved, not each step.
-    installs: ClassVar[int] = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device | str, weight: nn.Parameter | None = None):
@@ -59,9 +56,10 @@ class PackedLinear(nn.Module):
             return backend.prepare(self.weight, self.bias)
 
     def install(self, backend: LinearBackend, packed: Any) -> None:
-        """Make `forward` use `packed`, from `pack(backend)` of this module."""
+        """Make `forward` use `packed`, from `pack(backend)` of this module. A holder of
+        pointers into the old packing (the C++ layer loop of specdec/executor.py) must be
+        told: install through it."""
         self.backend, self.packed = backend, packed
-        PackedLinear.installs += 1
 
     def use_backend(self, backend: LinearBackend) -> None:
         self.install(backend, self.pack(backend))

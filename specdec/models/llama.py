@@ -13,10 +13,9 @@ Written for batch-1 CPU decoding, where Python and per-op overhead rival the mat
   its weight packed for it; `use_linear_backend` repacks them all.
 - Attention goes through the model's attention backend (kernels/attention.py), chosen
   once: it plans each step once (`plan`), then every layer stores its K/V and attends.
-- On the CPU, where every projection, the attention and the K/V store have C++ kernels,
-  the embedding lookup, all layers and the final norm run in one C++ call
-  (kernels/decoder_cpu.py) calling those same kernels; this module's code is then its
-  reference (`cpu_layer_loop = False` runs it).
+- This module's forward is the Python layer code; what runs a forward (these layers, the
+  C++ layer loop of kernels/decoder_cpu.py over the same kernels, CUDA graphs) is an
+  executor the engine chooses (specdec/executor.py), which this class does not know.
 Parameters have requires_grad=False: this is an inference engine, and it keeps autograd
 out of the way even when a caller forgets torch.inference_mode().
 """
@@ -30,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.kernels import AttentionBackend, AttentionMetadata, AttentionPlan, PagedKV, decoder_cpu, rms_norm_cpu
-from specdec.kernels.attention_cpu import CppPlan
+from specdec.kernels import AttentionBackend, AttentionMetadata, AttentionPlan, PagedKV, rms_norm_cpu
 from specdec.kernels.linear_base import LinearBackend
 from specdec.models.config import ModelConfig, RopeConfig
 from specdec.models.linear import PackedLinear, install_linears, pack_linears
@@ -186,9 +184,9 @@ class LlamaForCausalLM(nn.Module):
     Construct with `specdec.models.load_model`; a bare constructor leaves weights
     uninitialised. Call under torch.inference_mode().
 
-    `attention_backend` (a plain attribute, replaceable between steps) computes attention;
-    every projection starts on the fp32 linear backend until `use_linear_backend`.
-    `cpu_layer_loop` (default True) runs the layers in one C++ call where they can.
+    `attention_backend` (a plain attribute; an executor chosen for the model assumes it
+    stays) computes attention; every projection starts on the fp32 linear backend until
+    `use_linear_backend`.
     """
 
     rope_cos: Tensor
@@ -215,11 +213,6 @@ class LlamaForCausalLM(nn.Module):
         tied = self.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = PackedLinear(hidden, vocab, False, dtype, device, weight=tied)
         self._init_rope(config, max_positions or config.max_position_embeddings, dtype, device)
-        self.cpu_layer_loop = True
-        # The loop built for the projections' current packings (None: cannot run them).
-        self._decoder_layers: decoder_cpu.DecoderLayers | None = None
-        self._loop_installs = -1  # PackedLinear.installs when it was built
-        self._loop_table: Tensor | None = None  # the embedding table it was built for
 
     def _init_rope(
         self,
@@ -249,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
     def use_linear_backend(self, backend: LinearBackend) -> None:
         """Repack every projection (qkv, o, gate_up, down) and the LM head for `backend`
         and make the forward use them; the parameters are left as they are. ValueError if
-        `backend` needs float32 and the model is not."""
+        `backend` needs float32 and the model is not. Once an executor runs the model,
+        repack through it (Executor.use_linear_backend): it may hold the packings."""
         install_linears(self, pack_linears(self, backend))
 
     def tie_weights(self) -> None:
@@ -268,42 +262,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> Tensor:  # [T, hidden], after the final norm
         attention = self.attention_backend
         plan = attention.plan(meta, kv_caches[0])  # once per step, for every layer
-        rows = plan.rows if isinstance(plan, CppPlan) else None  # None: the C++ attention cannot read the cache
-        if rows is not None and (layers := self._layer_loop(kv_caches[0])) is not None:
-            return layers.run(input_ids, positions, self.rope_cos, self.rope_sin, kv_caches, meta.slot_mapping, rows,
-                              self.config.head_dim**-0.5)  # the embedding and the final norm included
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos = F.embedding(positions, self.rope_cos).unsqueeze(1)  # [T, 1, D]
         sin = F.embedding(positions, self.rope_sin).unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, attention, plan)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-
-    def _layer_loop(self, kv: PagedKV) -> decoder_cpu.DecoderLayers | None:
-        """The C++ layer loop, if it runs this model and cache (the C++ attention reads it):
-        which does not depend on the step's tokens, so decode and verify take the same path."""
-        if not (self.cpu_layer_loop and decoder_cpu.supports_cache(kv)):
-            return None
-        # Rebuilt when a projection (maybe another model's) was repacked or the table replaced.
-        if self._loop_installs != PackedLinear.installs or self._loop_table is not self.embed_tokens:
-            self._loop_installs, self._loop_table = PackedLinear.installs, self.embed_tokens
-            self._decoder_layers = self._build_layer_loop()
-        return self._decoder_layers
-
-    def _build_layer_loop(self) -> decoder_cpu.DecoderLayers | None:
-        first = self.layers[0]
-        if (self.dtype != torch.float32 or first.qk_norm is not None or not decoder_cpu.builds()
-                or not decoder_cpu.runs_embedding(self.embed_tokens)):
-            return None
-        layers = [decoder_cpu.LayerWeights(layer.input_norm, layer.post_attn_norm, tuple(
-            (linear.backend, linear.packed) for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                                                           layer.down_proj))) for layer in self.layers]
-        if not all(decoder_cpu.runs_projection(*pair) for layer in layers for pair in layer.projections):
-            return None
-        c = self.config
-        shape = decoder_cpu.Shape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                                  c.rms_norm_eps)
-        return decoder_cpu.DecoderLayers(shape, self.embed_tokens, layers, self.norm)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.lm_head(hidden).float()

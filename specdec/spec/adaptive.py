@@ -36,7 +36,7 @@ from specdec.kernels.metadata import AttentionMetadata
 from specdec.spec.policy import DraftLimit, SpeculationPolicy, StepReport
 
 if TYPE_CHECKING:
-    from specdec.models import LlamaForCausalLM
+    from specdec.executor import Executor
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PROBE_EVERY = 8
@@ -340,10 +340,10 @@ class Stopwatch:
 
 
 @torch.inference_mode()
-def calibrate(model: LlamaForCausalLM, kv_layers: list[Any], block_size: int,
+def calibrate(executor: Executor, kv_layers: list[Any], block_size: int,
               context: int = 64, repeats: int = 3) -> CostModel:
     """Time target forwards of one request over T query tokens after `context` cached ones
-    (kv_layers: the model's per-layer paged caches), on the model's own backends.
+    (kv_layers: the model's per-layer paged caches), run by the engine's executor.
 
     Writes KV into the first blocks of the pool: call it before any request is admitted.
     """
@@ -353,8 +353,8 @@ def calibrate(model: LlamaForCausalLM, kv_layers: list[Any], block_size: int,
         times = []
         for _ in range(repeats):
             watch = Stopwatch()
-            hidden = model(ids, positions, kv_layers, meta)  # [T, H]
-            model.compute_logits(hidden)
+            hidden = executor.forward(ids, positions, kv_layers, meta)  # [T, H]
+            executor.model.compute_logits(hidden)
             times.append(watch.lap())
         seconds.append(min(times))
     return CostModel(list(CALIBRATION_SIZES), seconds)

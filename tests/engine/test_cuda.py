@@ -15,7 +15,7 @@ import torch
 
 from specdec import LLM
 from specdec.config import EngineConfig, auto_dtype, checkpoint_dtype
-from specdec.cuda_graphs import CudaGraphRunner, GraphShape, choose_shape, graph_batch_sizes, graph_shapes, pad_inputs
+from specdec.cuda_graphs import CudaGraphs, GraphShape, choose_shape, graph_batch_sizes, graph_shapes, pad_inputs
 from specdec.gpu_memory import draft_model_bytes, kv_cache_blocks, measure_used_bytes, profile_step, step_lengths
 from specdec.model_runner import KVCache, StepInputs
 from specdec.models.config import ModelConfig
@@ -122,7 +122,7 @@ def test_profile_step_runs_on_the_cpu(tiny_model_dir: Path) -> None:
     and writes a throwaway cache, not the engine's."""
     llm = LLM(str(tiny_model_dir), max_model_len=48, max_num_batched_tokens=100, max_num_seqs=4,
               speculative_config=NGRAM, kv_cache_memory=1 << 20)
-    profile_step(llm.engine.model, llm.engine.config, llm.engine.max_model_len, torch.device("cpu"))
+    profile_step(llm.engine.runner.executor, llm.engine.config, llm.engine.max_model_len, torch.device("cpu"))
     assert not any(cache.any() for layer in llm.engine.runner.kv_cache.layers for cache in layer.tensors())
     assert_all_blocks_free(llm)
 
@@ -237,7 +237,7 @@ def test_graphs_replay_what_eager_runs(method: str, compiled_triton: None, tiny_
     prompts = random_prompts(5, 3)
     eager = cuda_llm(tiny_model_dir, speculative_config=spec, enforce_eager=True)
     graphed = cuda_llm(tiny_model_dir, speculative_config=spec)
-    assert isinstance(graphed.engine.runner, CudaGraphRunner)
+    assert isinstance(graphed.engine.runner.executor, CudaGraphs)
     assert graphed.engine.model.attention_backend.name == "triton"
     expected = token_ids(eager.generate(prompts, greedy(12)))
     assert token_ids(graphed.generate(prompts, greedy(12))) == expected
@@ -250,7 +250,7 @@ def test_graphs_replay_what_eager_runs(method: str, compiled_triton: None, tiny_
 def test_gpu_memory_utilization_sizes_the_kv_cache(compiled_triton: None, tiny_model_dir: Path) -> None:
     llm = cuda_llm(tiny_model_dir, enforce_eager=True)
     total, used = measure_used_bytes(
-        lambda: profile_step(llm.engine.model, llm.engine.config, 128, CUDA), CUDA)
+        lambda: profile_step(llm.engine.runner.executor, llm.engine.config, 128, CUDA), CUDA)
     assert total == torch.cuda.mem_get_info()[1] and 0 < used < total
     blocks = kv_cache_blocks(total, used, 0.5, 1 << 20)
     assert 0 < blocks * (1 << 20) <= total // 2

@@ -1,6 +1,6 @@
 """The whole engine on the triton attention backend, run on CPU tensors by Triton's
 interpreter: greedy outputs equal the torch backend's, plain and speculative (n-gram,
-draft-model tree, Medusa tree), batched, with every KV block freed. Then the CUDA graph runner
+draft-model tree, Medusa tree), batched, with every KV block freed. Then the CUDA graph executor
 (specdec/cuda_graphs.py) with its graphs replayed eagerly: every step padded to its graph
 shape and read from the static buffers gives the same outputs, so what a graph replays on
 a GPU is the right computation.
@@ -20,7 +20,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from specdec import LLM, cuda_graphs  # noqa: E402
-from specdec.cuda_graphs import CapturedStep, CudaGraphRunner  # noqa: E402
+from specdec.cuda_graphs import CapturedStep, CudaGraphs  # noqa: E402
+from specdec.kernels.linear import Fp32Linear  # noqa: E402
 from tests.helpers import NGRAM, assert_all_blocks_free, greedy, random_prompts, token_ids  # noqa: E402
 
 MAX_TOKENS = 6
@@ -89,7 +90,7 @@ def capture_eagerly(forward: Callable[[], torch.Tensor], pool: object, device: t
 def test_graph_runner_replays_padded_steps(method: str, tiny_model_dir: Path, tiny_draft_dir: Path,
                                            tiny_medusa_dir: Path, prompts: list[list[int]],
                                            expected: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
-    """CudaGraphRunner with each graph replaced by an eager rerun of its forward over the
+    """CudaGraphs with each graph replaced by an eager rerun of its forward over the
     static buffers: the buffers, the padding and the gathering of the rows are the ones a
     GPU replays."""
     monkeypatch.setattr(cuda_graphs, "capture_graph", capture_eagerly)
@@ -97,11 +98,16 @@ def test_graph_runner_replays_padded_steps(method: str, tiny_model_dir: Path, ti
     llm = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=4, attention_backend="triton",
               speculative_config=spec_config(method, tiny_draft_dir, tiny_medusa_dir))
     engine = llm.engine
-    runner = CudaGraphRunner(engine.model, engine.config, engine.runner.kv_cache, engine.device, engine.max_model_len)
-    engine.runner = runner
+    runner = engine.runner
+    graphs = CudaGraphs(runner.executor, engine.config, runner.kv_cache, engine.device, engine.max_model_len)
+    runner.executor = graphs
     assert token_ids(llm.generate(prompts, greedy(MAX_TOKENS))) == expected
-    replayed = {shape for shape, step in runner.captured.items() if step.graph.replays}  # type: ignore[attr-defined]
+    replayed = {shape for shape, step in graphs.captured.items() if step.graph.replays}  # type: ignore[attr-defined]
     # Verify steps ran padded: queries to the lookahead, 3 requests to the 4-request shape.
     assert any(s.query_len > 1 and s.masked == (method == "medusa_tree") for s in replayed)
     assert any(s.batch_size == 4 for s in replayed)
+    captured = dict(graphs.captured)
+    graphs.use_linear_backend(Fp32Linear())  # a repack captures every shape again, on the new packings
+    assert all(graphs.captured[shape] is not step for shape, step in captured.items())
+    assert token_ids(llm.generate(prompts, greedy(MAX_TOKENS))) == expected
     assert_all_blocks_free(llm)

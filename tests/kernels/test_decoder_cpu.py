@@ -1,6 +1,7 @@
-"""The C++ layer loop (kernels/decoder_cpu.py) against the model's Python layer code, its
-reference: the same logits for prefill, decode and tree-verify steps, row invariance
-(what lossless speculation relies on), and the cases it leaves to Python."""
+"""The C++ layer loop (kernels/decoder_cpu.py, run by the CppLayerLoop executor) against the
+model's Python layer code, its reference: the same logits for prefill, decode and
+tree-verify steps, row invariance (what lossless speculation relies on), and the cases it
+leaves to Python."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -11,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from specdec import LLM
-from specdec.kernels import decoder_cpu
+from specdec.executor import CppLayerLoop, Executor, PythonLayers, choose_executor
+from specdec.kernels import PagedKV, decoder_cpu
 from specdec.kernels.attention import make_attention_backend
 from specdec.kernels.gguf_blocks import quantize
 from specdec.kernels.linear import Fp32Linear, get_linear_backend
@@ -67,26 +69,31 @@ def _use(model: LlamaForCausalLM, name: str, int8: bool) -> None:
     model.use_linear_backend(backend)
 
 
-def _steps(model: LlamaForCausalLM, ids: Tensor, loop: bool) -> Tensor:
-    """Logits of a 9-token prefill, a 1-token decode and a 4-node tree verify."""
+def _caches(model: LlamaForCausalLM) -> list[PagedKV]:
     c = model.config
-    caches = make_kv_caches(c.num_layers, 8, 4, c.num_kv_heads, c.head_dim, fill=float("nan"))
+    return make_kv_caches(c.num_layers, 8, 4, c.num_kv_heads, c.head_dim, fill=float("nan"))
+
+
+def _steps(executor: Executor, ids: Tensor) -> Tensor:
+    """Logits of a 9-token prefill, a 1-token decode and a 4-node tree verify."""
+    caches = _caches(executor.model)
     table = random_block_table(len(ids), 4, 8, seed=3)
-    model.cpu_layer_loop = loop
     out = []
     with torch.inference_mode():
         for start, count, mask in ((0, 9, None), (9, 1, None), (10, 4, TREE)):
             meta = single_request_meta(start, count, table, 4, tree_mask=mask)
             depth = torch.arange(count) if mask is None else mask.sum(1) - 1
-            out.append(model.compute_logits(model(ids[start : start + count], start + depth, caches, meta)))
+            hidden = executor.forward(ids[start : start + count], start + depth, caches, meta)
+            out.append(executor.model.compute_logits(hidden))
     return torch.cat(out)
 
 
 def _assert_the_loop_matches_python(model: LlamaForCausalLM, ids: Tensor) -> None:
     """The loop's logits (it must run) against the Python layers' on the same steps."""
-    expected = _steps(model, ids, loop=False)
-    got = _steps(model, ids, loop=True)
-    assert isinstance(model._decoder_layers, decoder_cpu.DecoderLayers)
+    loop = choose_executor(model, _caches(model))
+    assert isinstance(loop, CppLayerLoop) and isinstance(loop.layers, decoder_cpu.DecoderLayers)
+    expected = _steps(PythonLayers(model), ids)
+    got = _steps(loop, ids)
     # RoPE, SiLU and the adds are the loop's own float32 arithmetic: equal up to rounding.
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
@@ -99,7 +106,6 @@ def test_the_loop_gives_the_python_layers_logits(model: LlamaForCausalLM, name: 
         _use(model, name, int8)
         _assert_the_loop_matches_python(model, ids)
     finally:
-        model.cpu_layer_loop = True
         model.use_linear_backend(Fp32Linear())
 
 
@@ -110,6 +116,8 @@ def test_each_row_gets_what_it_gets_alone(model: LlamaForCausalLM, name: str, in
     c = model.config
     try:
         _use(model, name, int8)
+        loop = CppLayerLoop(model)
+        assert isinstance(loop.layers, decoder_cpu.DecoderLayers)
         logits = []
         for chunks in (((0, 10),), ((0, 9), (9, 10))):
             caches = make_kv_caches(c.num_layers, 8, 4, c.num_kv_heads, c.head_dim, fill=float("nan"))
@@ -117,9 +125,8 @@ def test_each_row_gets_what_it_gets_alone(model: LlamaForCausalLM, name: str, in
             with torch.inference_mode():
                 for start, stop in chunks:
                     meta = single_request_meta(start, stop - start, table, 4)
-                    hidden = model(ids[start:stop], torch.arange(start, stop), caches, meta)
+                    hidden = loop.forward(ids[start:stop], torch.arange(start, stop), caches, meta)
             logits.append(model.compute_logits(hidden[-1:]))
-        assert isinstance(model._decoder_layers, decoder_cpu.DecoderLayers)
         assert torch.equal(logits[0], logits[1])
     finally:
         model.use_linear_backend(Fp32Linear())
@@ -132,24 +139,24 @@ def test_an_empty_step_and_a_long_prefill_then_decode(model: LlamaForCausalLM) -
     ids = torch.randint(3, c.vocab_size, (140,), generator=torch.Generator().manual_seed(6))
     try:
         model.use_linear_backend(get_linear_backend("cpp-fp16"))
+        loop = CppLayerLoop(model)
         with torch.inference_mode():
             caches = make_kv_caches(c.num_layers, 40, 4, c.num_kv_heads, c.head_dim)
-            empty = model(ids[:0], torch.arange(0), caches, single_request_meta(0, 0, [0], 4))
+            empty = loop.forward(ids[:0], torch.arange(0), caches, single_request_meta(0, 0, [0], 4))
             assert empty.shape == (0, c.hidden_size)
         logits = {}
-        for loop in (True, False):
-            model.cpu_layer_loop = loop
+        for executor in (loop, PythonLayers(model)):
             caches = make_kv_caches(c.num_layers, 40, 4, c.num_kv_heads, c.head_dim, fill=float("nan"))
             table = random_block_table(140, 4, 40, seed=7)
             with torch.inference_mode():
-                rows = [model(ids[:138], torch.arange(138), caches, single_request_meta(0, 138, table, 4))[-1:]]
+                prefill = single_request_meta(0, 138, table, 4)
+                rows = [executor.forward(ids[:138], torch.arange(138), caches, prefill)[-1:]]
                 for start in (138, 139):
                     meta = single_request_meta(start, 1, table, 4)
-                    rows.append(model(ids[start : start + 1], torch.tensor([start]), caches, meta))
-            logits[loop] = model.compute_logits(torch.cat(rows))
+                    rows.append(executor.forward(ids[start : start + 1], torch.tensor([start]), caches, meta))
+            logits[executor is loop] = model.compute_logits(torch.cat(rows))
         torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
     finally:
-        model.cpu_layer_loop = True
         model.use_linear_backend(Fp32Linear())
 
 
@@ -164,44 +171,51 @@ def no_loop(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_backends_without_c_kernels_stay_in_python(model: LlamaForCausalLM, no_loop: None) -> None:
     ids = torch.randint(3, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(3))
-    _steps(model, ids, loop=True)
-    assert model._decoder_layers is None  # fp32's F.linear has no C entry point
+    assert isinstance(choose_executor(model, _caches(model)), PythonLayers)  # fp32's F.linear has no C entry point
+    loop = CppLayerLoop(model)
+    try:
+        loop.use_linear_backend(get_linear_backend("cpp-fp16"))
+        assert loop.layers is not None
+        loop.use_linear_backend(Fp32Linear())  # a repack the loop cannot run: its reference runs the steps
+        assert loop.layers is None
+        assert torch.equal(_steps(loop, ids), _steps(PythonLayers(model), ids))
+    finally:
+        model.use_linear_backend(Fp32Linear())
 
 
 def test_qk_norm_models_stay_in_python(tmp_path: Path, no_loop: None) -> None:
     qwen3 = load_model(make_checkpoint(tmp_path / "qwen3", model_type="qwen3", head_dim=32), attention_backend="cpp")
     qwen3.use_linear_backend(get_linear_backend("cpp-fp16"))
-    ids = torch.randint(3, qwen3.config.vocab_size, (14,), generator=torch.Generator().manual_seed(4))
-    _steps(qwen3, ids, loop=True)
-    assert qwen3._decoder_layers is None
+    assert isinstance(choose_executor(qwen3, _caches(qwen3)), PythonLayers)
+    assert CppLayerLoop(qwen3).layers is None
 
 
 def test_the_torch_attention_backend_stays_in_python(model: LlamaForCausalLM, no_loop: None) -> None:
-    ids = torch.randint(3, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(5))
     attention = model.attention_backend
     try:
         model.use_linear_backend(get_linear_backend("cpp-fp16"))
         model.attention_backend = make_attention_backend("torch", "cpu")
-        _steps(model, ids, loop=True)
+        assert isinstance(choose_executor(model, _caches(model)), PythonLayers)
     finally:
         model.attention_backend = attention
         model.use_linear_backend(Fp32Linear())
 
 
-def test_packings_swapped_in_are_the_ones_the_loop_runs(model: LlamaForCausalLM) -> None:
-    """What evals/bench_kernels.py does: pack once per backend, then install in turn."""
+def test_packings_installed_through_the_loop_are_the_ones_it_runs(model: LlamaForCausalLM) -> None:
+    """What evals/bench_kernels.py does: pack once per backend, then install in turn; the
+    loop rebuilds its pointers into the packings when they are installed through it."""
     ids = torch.randint(3, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(8))
     packings = {name: pack_linears(model, get_linear_backend(name)) for name in ("cpp-fp16", "q8_0")}
     try:
         expected = {}
         for name, packing in packings.items():
             install_linears(model, packing)
-            expected[name] = _steps(model, ids, loop=False)
+            expected[name] = _steps(PythonLayers(model), ids)
+        loop = CppLayerLoop(model)
         for name in ("cpp-fp16", "q8_0", "cpp-fp16"):
-            install_linears(model, packings[name])
-            torch.testing.assert_close(_steps(model, ids, loop=True), expected[name], rtol=1e-4, atol=1e-4)
+            loop.install_linears(packings[name])
+            torch.testing.assert_close(_steps(loop, ids), expected[name], rtol=1e-4, atol=1e-4)
     finally:
-        model.cpu_layer_loop = True
         model.use_linear_backend(Fp32Linear())
 
 
@@ -213,7 +227,7 @@ def test_a_slot_outside_the_cache_is_refused(model: LlamaForCausalLM) -> None:
     try:
         model.use_linear_backend(get_linear_backend("cpp-fp16"))
         with torch.inference_mode(), pytest.raises(IndexError, match="outside the cache's 8 slots"):
-            model(torch.tensor([5, 6, 7]), torch.arange(3), caches, meta)
+            CppLayerLoop(model).forward(torch.tensor([5, 6, 7]), torch.arange(3), caches, meta)
     finally:
         model.use_linear_backend(Fp32Linear())
 
@@ -231,10 +245,11 @@ def test_a_token_outside_the_embedding_is_refused(model: LlamaForCausalLM) -> No
     caches = make_kv_caches(c.num_layers, 2, 4, c.num_kv_heads, c.head_dim)
     try:
         model.use_linear_backend(get_linear_backend("cpp-fp16"))
+        loop = CppLayerLoop(model)
         for bad in (c.vocab_size, -1):
             outside = f"outside the embedding's {c.vocab_size} rows"
             with torch.inference_mode(), pytest.raises(IndexError, match=outside):
-                model(torch.tensor([5, bad, 7]), torch.arange(3), caches, single_request_meta(0, 3, [0], 4))
+                loop.forward(torch.tensor([5, bad, 7]), torch.arange(3), caches, single_request_meta(0, 3, [0], 4))
     finally:
         model.use_linear_backend(Fp32Linear())
 
@@ -251,7 +266,6 @@ def test_a_quantized_embedding_table_is_looked_up_in_the_loop(model: LlamaForCau
         _assert_the_loop_matches_python(model, ids)
     finally:
         model.embed_tokens = table
-        model.cpu_layer_loop = True
         model.use_linear_backend(Fp32Linear())
 
 
@@ -285,7 +299,8 @@ def test_speculation_through_the_loop_is_lossless_batched_chunked_and_preempted(
     assert token_ids(llm.generate(prompts, greedy())) == expected  # suffix decoding's cache now holds them
     assert step_mixed(llm.engine, prompts, greedy()) == expected
     for run in (plain, llm):
-        assert isinstance(run.engine.model._decoder_layers, decoder_cpu.DecoderLayers)
+        executor = run.engine.runner.executor
+        assert isinstance(executor, CppLayerLoop) and isinstance(executor.layers, decoder_cpu.DecoderLayers)
     metrics = llm.get_metrics()
     assert metrics["num_preemptions"] > 0 and metrics["num_drafts"] > 0
     assert_all_blocks_free(llm)
