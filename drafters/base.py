@@ -28,15 +28,6 @@ class DraftRequest:
     num_draft_tokens: int  # draft nodes the step has room for (>= 1)
     max_depth: int  # the longest path that can still be committed (1 <= max_depth <= num_draft_tokens)
     sampling_params: SamplingParams
-    # [H] the target's final hidden state at the last committed token's predecessor
-    # (what produced that token's logits), for drafters that read it (Medusa).
-    hidden: torch.Tensor | None = None
-
-    def target_hidden(self) -> torch.Tensor:  # [H]
-        """The hidden state, for drafters that need one (ask only when it is there)."""
-        if self.hidden is None:
-            raise ValueError(f"request {self.request_id!r} has no target hidden state yet")
-        return self.hidden
 
 
 class Drafter(ABC):
@@ -47,11 +38,19 @@ class Drafter(ABC):
     path deeper than max_depth (a chain is a tree with one child per node; the root
     alone means no guess). A drafter may keep per-request state (a KV cache); it must
     reconcile that state itself from `token_ids` (tokens it drafted that the target
-    rejected no longer appear there) and release it in `free`.
+    rejected no longer appear there) and release it in `free`. A drafter that reads the
+    target's hidden states sets `reads_hidden` and gets them through `observe_hidden`.
     """
+
+    reads_hidden = False  # True: the engine calls `observe_hidden` after each commit
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]: ...
+
+    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:  # hidden [H]
+        """The target's final hidden state at the row that produced the request's newest
+        committed token (what its logits came from); called after each commit when
+        `reads_hidden`, kept by the drafter until the request's next step or `free`."""
 
     def free(self, request_id: str) -> None:
         """Forget a finished or aborted request."""
@@ -59,6 +58,32 @@ class Drafter(ABC):
     def forget_cached(self) -> None:
         """Drop what the drafter keeps across requests (a cache of earlier outputs), so that
         nothing of the requests served so far can be drafted into later ones."""
+
+
+class HiddenReader(Drafter):
+    """A drafter that drafts from the target's hidden states (Medusa and recurrent heads):
+    it keeps each request's newest one from `observe_hidden` until the request is freed."""
+
+    reads_hidden = True
+
+    def __init__(self) -> None:
+        self._hidden: dict[str, torch.Tensor] = {}  # request id -> [H]
+
+    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
+        self._hidden[request_id] = hidden
+
+    def has_hidden(self, request_id: str) -> bool:
+        return request_id in self._hidden
+
+    def target_hidden(self, request_id: str) -> torch.Tensor:  # [H]
+        """The request's hidden state (ask only when `has_hidden`)."""
+        hidden = self._hidden.get(request_id)
+        if hidden is None:
+            raise ValueError(f"request {request_id!r} has no target hidden state yet")
+        return hidden
+
+    def free(self, request_id: str) -> None:
+        self._hidden.pop(request_id, None)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ import time
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from specdec.drafters.base import Drafter, DraftRequest
 from specdec.drafters.recurrent_drafter import RecurrentDrafter
 from specdec.drafters.suffix import SuffixDraft, SuffixDrafter
@@ -178,7 +180,17 @@ class HybridDrafter(Drafter):
             trees.append(merged.tree)
         return trees
 
+    @property
+    def reads_hidden(self) -> bool:  # type: ignore[override]
+        return self.heads is not None
+
+    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:  # hidden [H]
+        if self.heads is not None:
+            self.heads.observe_hidden(request_id, hidden)
+
     def free(self, request_id: str) -> None:
+        if self.heads is not None:
+            self.heads.free(request_id)
         self.suffix.free(request_id)
         self.offers.pop(request_id, None)
         self.heads_worth.pop(request_id, None)
@@ -231,7 +243,7 @@ class HybridDrafter(Drafter):
         if self.heads is None:
             return []
         gains = {i: self._heads_worth(r.request_id).mean - _expected(suffix[i])
-                 for i, r in enumerate(requests) if r.hidden is not None}
+                 for i, r in enumerate(requests) if self.heads.has_hidden(r.request_id)}
         order = sorted((i for i, gain in gains.items() if gain > 0), key=lambda i: -gains[i])
         if self.cost is None or not order:
             return order

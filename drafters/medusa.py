@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from specdec.drafters import recurrent_heads
-from specdec.drafters.base import Drafter, DrafterContext, DraftRequest
+from specdec.drafters.base import Drafter, DrafterContext, DraftRequest, HiddenReader
 from specdec.drafters.recurrent_drafter import RecurrentDrafter
 from specdec.drafters.tree_choices import DEFAULT_CHOICES, Choice, tree_from_choices
 from specdec.sampler import SamplingTensors, argmax, logits_to_probs, sample_probs
@@ -134,8 +134,9 @@ def build_recurrent_heads(context: DrafterContext) -> RecurrentDrafter:
     return _recurrent(context, path, list(DEFAULT_CHOICES), dynamic=True, branching=True)
 
 
-class MedusaDrafter(Drafter):
+class MedusaDrafter(HiddenReader):
     def __init__(self, heads: MedusaHeads, choices: list[Choice], branching: bool) -> None:
+        super().__init__()
         self.heads = heads
         self.choices = choices
         self.branching = branching  # static trees from `choices` instead of chains
@@ -143,11 +144,11 @@ class MedusaDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
-        ready = [i for i, r in enumerate(requests) if r.hidden is not None]
+        ready = [i for i, r in enumerate(requests) if self.has_hidden(r.request_id)]
         drafts = [DraftTree.chain([r.token_ids[-1]]) for r in requests]
         if not ready:
             return drafts
-        logits = self.heads(torch.stack([requests[i].target_hidden() for i in ready]))  # [heads, R, V]
+        logits = self.heads(torch.stack([self.target_hidden(requests[i].request_id) for i in ready]))  # [heads, R, V]
         # Every ready request's ranked guesses in one copy to the host (one wait for the GPU).
         top = logits.topk(self.top_k, dim=-1).indices if self.branching else argmax(logits).unsqueeze(-1)
         ranked = top.tolist()  # [heads][R][top_k]

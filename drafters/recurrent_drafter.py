@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specdec.drafters.base import Drafter, DraftRequest
+from specdec.drafters.base import DraftRequest, HiddenReader
 from specdec.drafters.recurrent_heads import RecurrentHeads
 from specdec.drafters.tree_choices import Choice
 from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
@@ -56,10 +56,11 @@ class _Node:
     ranked: list[int] = field(default_factory=list)  # its top-k next tokens, once run
 
 
-class RecurrentDrafter(Drafter):
+class RecurrentDrafter(HiddenReader):
     def __init__(self, heads: RecurrentHeads, embedding: torch.Tensor,
                  compute_logits: Callable[[torch.Tensor], torch.Tensor], choices: Sequence[Choice],
                  vocab: torch.Tensor | None = None, dynamic: bool = False, branching: bool = False) -> None:
+        super().__init__()
         self.heads = heads
         self.embedding = embedding  # [V, H] the target's input embedding
         # The target's LM head restricted to the draft vocabulary: [N, H] -> [N, Vd] float32
@@ -73,7 +74,7 @@ class RecurrentDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         drafts = [DraftTree.chain([r.token_ids[-1]]) for r in requests]
-        ready = [i for i, r in enumerate(requests) if r.hidden is not None]
+        ready = [i for i, r in enumerate(requests) if self.has_hidden(r.request_id)]
         build = self._chains if not self.branching else self._dynamic_trees if self.dynamic else self._trees
         for i, tree in zip(ready, build([requests[i] for i in ready])):
             drafts[i] = tree
@@ -102,7 +103,7 @@ class RecurrentDrafter(Drafter):
         if not requests:
             return []
         depths = [self._depth(r) for r in requests]
-        states = torch.stack([r.target_hidden() for r in requests])  # [B, H]
+        states = torch.stack([self.target_hidden(r.request_id) for r in requests])  # [B, H]
         tokens = [r.token_ids[-1] for r in requests]
         drafted: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
@@ -135,7 +136,7 @@ class RecurrentDrafter(Drafter):
 
     def _trees(self, requests: list[DraftRequest]) -> list[DraftTree]:
         plans = [self._plan(r) for r in requests]
-        nodes = [[_Node(r.token_ids[-1], -1, (), r.target_hidden())] for r in requests]
+        nodes = [[_Node(r.token_ids[-1], -1, (), self.target_hidden(r.request_id))] for r in requests]
         for depth in range(1, 1 + max((max(map(len, p), default=0) for p in plans), default=0)):
             self._grow(nodes, plans, depth)
         return [DraftTree([n.token for n in ns], [n.parent for n in ns]) for ns in nodes]
@@ -148,7 +149,7 @@ class RecurrentDrafter(Drafter):
         """EAGLE-2 dynamic trees with each node's draft path probability (requests must
         have their target hidden state)."""
         growths = [_Growth(r.token_ids[-1], self._depth(r), min(DYNAMIC_WIDTH, r.num_draft_tokens),
-                           states=[r.target_hidden()]) for r in requests]
+                           states=[self.target_hidden(r.request_id)]) for r in requests]
         for depth in range(1, 1 + max((g.depth for g in growths), default=0)):
             self._expand([g for g in growths if g.depth >= depth])
         return [ScoredDraft.from_expansion(g.root, g.candidates, r.num_draft_tokens)

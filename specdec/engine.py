@@ -5,8 +5,6 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from specdec.allocator import keep_freed_memory
 from specdec.block_manager import BlockManager
 from specdec.chat_utils import apply_template_override
@@ -18,7 +16,6 @@ from specdec.drafters.factory import build_drafter
 from specdec.executor import choose_executor
 from specdec.faults import STEP_FAILED, fault_message
 from specdec.gpu_memory import gpu_kv_blocks
-from specdec.kernels.kv_ops import move_kv
 from specdec.metrics import EngineMetrics
 from specdec.model_registry import read_json, resolve_model
 from specdec.model_runner import KVCache, ModelRunner
@@ -243,7 +240,7 @@ class LLMEngine:
         assert self.drafter is not None
         requests = [DraftRequest(batch[i].request.request_id, batch[i].request.all_token_ids,
                                  batch[i].num_draft_tokens, batch[i].max_depth,
-                                 batch[i].request.sampling_params, batch[i].request.last_hidden) for i in wanted]
+                                 batch[i].request.sampling_params) for i in wanted]
         return self.drafter.propose(requests)
 
     def _commit(self, batch: list[ScheduledRequest], trees: list[DraftTree],
@@ -275,11 +272,14 @@ class LLMEngine:
         """Keep the KV of the known tokens and the accepted path, append the tokens."""
         request = item.request
         root = request.num_computed_tokens + item.num_new_tokens - 1  # the root's position
-        self._compact(request, root, result.accepted_nodes)
+        self.runner.keep_path(request.block_table, root, result.accepted_nodes)
         num_accepted = len(result.tokens) - 1
         request.num_computed_tokens = root + 1 + num_accepted
-        request.last_hidden = result.hidden
         kept = commit_tokens(request, result.tokens, self.max_model_len)
+        if result.logprobs is not None:
+            request.output_logprobs.extend(result.logprobs[:kept])
+        if self.drafter is not None and self.drafter.reads_hidden and result.hidden is not None:
+            self.drafter.observe_hidden(request.request_id, result.hidden)
         if request.grammar is not None:
             request.grammar.advance(request.output_token_ids)
         if tree.num_drafts:
@@ -288,18 +288,6 @@ class LLMEngine:
         self.metrics.num_generation_tokens += kept
         self.block_manager.truncate(request, request.num_tokens)
         self.block_manager.cache_blocks(request)
-
-    def _compact(self, request: Request, root: int, accepted_nodes: list[int]) -> None:
-        """Move the accepted path's KV into the positions right after the root (a chain's
-        path is already there)."""
-        moves = [(root + node, root + depth) for depth, node in enumerate(accepted_nodes, start=1)
-                 if node != depth]
-        if moves:
-            table = request.block_table
-            bs = self.config.block_size
-            src = [table[p // bs] * bs + p % bs for p, _ in moves]
-            dst = [table[p // bs] * bs + p % bs for _, p in moves]
-            move_kv(self.runner.kv_cache.layers, torch.tensor(src), torch.tensor(dst))
 
     def _fail_each(self, batch: list[ScheduledRequest], faults: dict[int, str]) -> list[RequestOutput]:
         return [self._fail_one(batch[i].request, message) for i, message in faults.items()]

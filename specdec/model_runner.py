@@ -1,7 +1,7 @@
 """Runs one target forward over the flattened batch and returns the logits it needs."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -9,6 +9,7 @@ import torch
 
 from specdec.config import EngineConfig
 from specdec.kernels.kv_cache import PagedKV
+from specdec.kernels.kv_ops import move_kv
 from specdec.kernels.metadata import AttentionMetadata
 from specdec.scheduler import ScheduledRequest
 from specdec.spec.tree import DraftTree
@@ -95,9 +96,23 @@ class ModelRunner:
             inputs.masks = [_request_mask(item, tree) for item, tree in zip(batch, trees)]
         return inputs
 
+    def keep_path(self, block_table: list[int], root: int, accepted_nodes: list[int]) -> None:
+        """After a verify: move the KV of the accepted path's nodes (tree node ids, in path
+        order) into the positions right after the root's (`root`: its position), where the
+        next step reads them. A chain's path is there already: nothing moves."""
+        moves = [(root + node, root + depth) for depth, node in enumerate(accepted_nodes, start=1) if node != depth]
+        if moves:
+            src = self._slots_at(block_table, [node for node, _ in moves])
+            dst = self._slots_at(block_table, [kept for _, kept in moves])
+            move_kv(self.kv_cache.layers, torch.tensor(src), torch.tensor(dst))
+
     def _slots(self, block_table: list[int], start: int, count: int) -> list[int]:
+        return self._slots_at(block_table, range(start, start + count))
+
+    def _slots_at(self, block_table: list[int], positions: Iterable[int]) -> list[int]:
+        """The flat KV slot of each position (block_table: the request's blocks)."""
         bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, start + count)]
+        return [block_table[p // bs] * bs + p % bs for p in positions]
 
 
 def upload(inputs: StepInputs, device: torch.device) -> tuple[

@@ -58,8 +58,6 @@ class Request:
         # shadow requests). The verifier does not use it: a seeded request's target draws
         # are keyed by position (specdec.sampler.keyed_generator), whatever was drafted.
         self.generator = _generator(sampling_params.seed)
-        # [H] target hidden state that produced the last committed token (Medusa reads it)
-        self.last_hidden: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,7 @@ import torch
 
 from specdec.logits_processors import process_logits
 from specdec.model_runner import ForwardOutput
+from specdec.outputs import SampleLogprobs
 from specdec.sampler import SamplingTensors, argmax, top_logprobs
 from specdec.scheduler import ScheduledRequest
 from specdec.spec.rejection import rejection_sample
@@ -31,6 +32,7 @@ class Verified:
     tokens: list[int] = field(default_factory=list)  # accepted drafts, then one recovered/bonus token
     accepted_nodes: list[int] = field(default_factory=list)  # tree node ids of the accepted path
     hidden: torch.Tensor | None = None  # [H] hidden state of the row that produced the last token
+    logprobs: SampleLogprobs | None = None  # per token, when the request asked for logprobs
     error: str | None = None  # the request failed here (what its client is told); nothing to commit
 
 
@@ -152,7 +154,8 @@ def _stack_draft_probs(
 
 
 def _record(item: ScheduledRequest, output: ForwardOutput, start: int, result: Verified) -> None:
-    """Logprobs of the emitted tokens, and the hidden state that produced the last one.
+    """Logprobs of the emitted tokens, and the hidden state that produced the last one
+    (into `result`: the request itself is written only when its tokens are committed).
 
     Emitted token j comes from the row of the j-th node on the accepted path (node 0 is
     the last committed token), for chains and trees alike.
@@ -164,4 +167,4 @@ def _record(item: ScheduledRequest, output: ForwardOutput, start: int, result: V
         logits = output.logits[torch.tensor(rows)]
         detokenizer = item.request.detokenizer
         decode = detokenizer.decode_token if detokenizer is not None else None
-        item.request.output_logprobs.extend(top_logprobs(logits, torch.tensor(result.tokens), num_top, decode))
+        result.logprobs = top_logprobs(logits, torch.tensor(result.tokens), num_top, decode)

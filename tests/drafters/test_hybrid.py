@@ -70,6 +70,15 @@ class FakeHeads:
     guess: list[int]
     calls: list[list[str]] = field(default_factory=list)
 
+    def has_hidden(self, request_id: str) -> bool:
+        return True  # as if the target had run every request
+
+    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
+        pass
+
+    def free(self, request_id: str) -> None:
+        pass
+
     def scored_trees(self, requests: list[DraftRequest]) -> list[ScoredDraft]:
         self.calls.append([r.request_id for r in requests])
         drafts = []
@@ -80,7 +89,7 @@ class FakeHeads:
 
 
 def ask(request_id: str, token_ids: list[int], budget: int = 6) -> DraftRequest:
-    return DraftRequest(request_id, token_ids, budget, budget, SamplingParams(), hidden=torch.zeros(4))
+    return DraftRequest(request_id, token_ids, budget, budget, SamplingParams())
 
 
 def hybrid(heads: FakeHeads | None, cost: CostModel | None = None) -> HybridDrafter:

@@ -32,20 +32,30 @@ def drafter(choices: list[tuple[int, ...]], num_steps: int = 3, seed: int = 0,
 
 
 def request(seed: int, depth: int = 3, max_nodes: int = 0, params: SamplingParams | None = None) -> DraftRequest:
-    hidden = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(100 + seed))
     return DraftRequest(str(seed), [1, 2, 3 + seed], max_nodes or depth, depth,
-                        params or SamplingParams(temperature=0.0), hidden)
+                        params or SamplingParams(temperature=0.0))
+
+
+def hidden_of(request: DraftRequest) -> torch.Tensor:  # [H]
+    """The target hidden state the engine would have given the request (`observe`)."""
+    return torch.randn(HIDDEN, generator=torch.Generator().manual_seed(100 + int(request.request_id)))
+
+
+def observed(d: RecurrentDrafter, requests: list[DraftRequest]) -> list[DraftRequest]:
+    for r in requests:
+        d.observe_hidden(r.request_id, hidden_of(r))
+    return requests
 
 
 def trees(d: RecurrentDrafter, requests: list[DraftRequest]) -> list[DraftTree]:
     """The drafter's trees (it drafts trees when built for a branching config)."""
     d.branching = True
-    return d.propose(requests)
+    return d.propose(observed(d, requests))
 
 
 def chains(d: RecurrentDrafter, requests: list[DraftRequest]) -> list[DraftTree]:
     d.branching = False
-    return d.propose(requests)
+    return d.propose(observed(d, requests))
 
 
 def ranked(d: RecurrentDrafter, hidden: torch.Tensor, path: list[int]) -> list[int]:
@@ -76,7 +86,7 @@ def test_tree_nodes_are_the_ranked_guesses_after_their_own_path(vocab: torch.Ten
     assert tree is not None
     token = {(): req.token_ids[-1]}
     for c in sorted(choices, key=len):  # the drafter's node order: by depth, then priority
-        token[c] = ranked(d, req.hidden, [token[c[:i]] for i in range(len(c))])[c[-1]]  # type: ignore[arg-type]
+        token[c] = ranked(d, hidden_of(req), [token[c[:i]] for i in range(len(c))])[c[-1]]
     order = [()] + sorted(choices, key=len)
     assert tree.token_ids == [token[c] for c in order]
     assert tree.parents == [-1] + [order.index(c[:-1]) for c in order[1:]]
@@ -119,7 +129,7 @@ def test_chains_unroll_past_the_trained_depth() -> None:
     req = request(0, depth=5)
     chain = chains(d, [req])[0].token_ids[1:]
     assert len(chain) == 5
-    assert chain == [ranked(d, req.hidden, [req.token_ids[-1]] + chain[:i])[0] for i in range(5)]  # type: ignore[arg-type]
+    assert chain == [ranked(d, hidden_of(req), [req.token_ids[-1]] + chain[:i])[0] for i in range(5)]
 
 
 def test_dynamic_tree_keeps_the_best_cumulative_guesses() -> None:
@@ -134,14 +144,14 @@ def test_dynamic_tree_keeps_the_best_cumulative_guesses() -> None:
     score = {0: 0.0}
     for node in range(1, tree.num_nodes):
         path = [tree.token_ids[i] for i in tree.path_to(tree.parents[node])]
-        order = ranked(d, req.hidden, path)  # type: ignore[arg-type]
+        order = ranked(d, hidden_of(req), path)
         assert order.index(tree.token_ids[node]) < min(5, rcd.DYNAMIC_WIDTH)
-        score[node] = score[tree.parents[node]] + logprob(d, req.hidden, path, tree.token_ids[node])  # type: ignore[arg-type]
+        score[node] = score[tree.parents[node]] + logprob(d, hidden_of(req), path, tree.token_ids[node])
         assert score[node] <= score[tree.parents[node]]
     depth1 = [n for n in range(1, tree.num_nodes) if tree.parents[n] == 0]
-    best = ranked(d, req.hidden, [req.token_ids[-1]])  # type: ignore[arg-type]
+    best = ranked(d, hidden_of(req), [req.token_ids[-1]])
     assert [tree.token_ids[n] for n in depth1] == best[:len(depth1)]
-    left_out = logprob(d, req.hidden, [req.token_ids[-1]], best[len(depth1)])  # type: ignore[arg-type]
+    left_out = logprob(d, hidden_of(req), [req.token_ids[-1]], best[len(depth1)])
     assert len(depth1) < 5 and all(score[n] >= left_out for n in range(1, tree.num_nodes))
     alone = [trees(d, [request(s, depth=3, max_nodes=5)])[0] for s in range(2)]
     batched = trees(d, [request(0, depth=3, max_nodes=5), request(1, depth=3, max_nodes=5)])
@@ -160,10 +170,10 @@ def reference_dynamic_tree(d: RecurrentDrafter, req: DraftRequest) -> tuple[list
     for _ in range(req.max_depth):
         new = []
         for node in frontier:
-            for token in ranked(d, req.hidden, paths[node])[:width]:  # type: ignore[arg-type]
+            for token in ranked(d, hidden_of(req), paths[node])[:width]:
                 parents.append(node)
                 paths.append(paths[node] + [token])
-                scores.append(scores[node] + logprob(d, req.hidden, paths[node], token))  # type: ignore[arg-type]
+                scores.append(scores[node] + logprob(d, hidden_of(req), paths[node], token))
                 new.append(len(paths) - 1)
         frontier = sorted(new, key=lambda n: -scores[n])[:width]
     kept = best_first(parents, scores[1:], req.num_draft_tokens)
@@ -213,7 +223,7 @@ def test_draft_vocabulary_is_the_most_generated_tokens() -> None:
     class Data:
         token = torch.tensor([5, 5, 5, 2, 2, 9, 1, 1, 1, 1])
 
-    assert draft_vocab(Data(), 3, 12).tolist() == [1, 2, 5]  # type: ignore[arg-type]
+    assert draft_vocab(Data(), 3, 12).tolist() == [1, 2, 5]
 
 
 def test_training_learns_a_deterministic_continuation() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-import specdec.engine
+import specdec.model_runner
 from specdec.cli import build_parser
 from specdec.config import KV_CACHE_DTYPES, EngineConfig
 from specdec.engine_args import KV_CACHE_DTYPE_NAMES, engine_kwargs
@@ -40,7 +40,7 @@ def test_greedy_speculation_is_lossless(plain: LLM, tiny_model_dir: Any, tiny_dr
         moves.append(len(args[1]))
         move_kv(*args)
 
-    monkeypatch.setattr(specdec.engine, "move_kv", counting_move_kv)
+    monkeypatch.setattr(specdec.model_runner, "move_kv", counting_move_kv)
     kv_dtype = plain.engine.config.kv_cache_dtype
     spec = LLM(str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=64, kv_cache_dtype=kv_dtype,
                speculative_config=spec_config(method, tiny_model_dir, tiny_draft_dir))
