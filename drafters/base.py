@@ -10,13 +10,13 @@ import torch
 
 from specdec.config import SpeculativeConfig
 from specdec.sampling_params import SamplingParams
+from specdec.spec.policy import DraftOption
 from specdec.spec.tree import DraftTree
 
 if TYPE_CHECKING:
     from specdec.block_manager import BlockManager
     from specdec.model_runner import ModelRunner
     from specdec.models import LlamaForCausalLM
-    from specdec.spec.adaptive import CostModel
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,19 @@ class Drafter(ABC):
     """
 
     reads_hidden = False  # True: the engine calls `observe_hidden` after each commit
+    scores_nodes = False  # True: every tree's nodes carry chances (`DraftTree.chances`)
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]: ...
+
+    def option(self, requests: list[DraftRequest], trees: list[DraftTree]) -> DraftOption | None:
+        """A costlier source this drafter could add to some of these requests' trees (trees:
+        what `propose` returned), for the policy to choose; None: it has none."""
+        return None
+
+    def extend(self, requests: list[DraftRequest], trees: list[DraftTree], chosen: list[int]) -> list[DraftTree]:
+        """The trees with the option run for the chosen requests (indices into both lists)."""
+        return trees
 
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:  # hidden [H]
         """The target's final hidden state at the row that produced the request's newest
@@ -102,6 +112,3 @@ class DrafterContext:
     allocate_kv: Callable[[LlamaForCausalLM, int], tuple[ModelRunner, BlockManager]]
     num_kv_blocks: int  # the target's KV blocks
     max_num_seqs: int
-    # The target's measured forward cost (adaptive speculation), for drafters that weigh
-    # their guesses against it; None when speculation is not adaptive.
-    cost: CostModel | None = None

@@ -25,7 +25,7 @@ def build_drafter(context: DrafterContext) -> Drafter:
         from specdec.drafters.suffix import SuffixDrafter
 
         heads = build_recurrent_heads(context) if spec.model else None
-        return HybridDrafter(SuffixDrafter(spec), heads, context.cost)
+        return HybridDrafter(SuffixDrafter(spec), heads)
     if spec.method == "draft_model":
         from specdec.drafters.draft_model import DraftModelDrafter
 

@@ -11,12 +11,13 @@ share of the parent's continuations (empirical frequencies) times a calibration 
 from what the target accepted, per band of match length and per depth, given the parent
 was taken: a guess that continues a long match (text being copied) is right far more
 often than one after a two-token match of the same frequency, and a copy that has begun
-goes on. The heads run only for the requests where their own measured acceptance beats
-the suffix draft's by enough to pay for their time and for the extra verify rows, judged
-by expected committed tokens per second with the target's forward cost (adaptive.py's
-CostModel, when the config is adaptive). The drafts are then merged
-(specdec.spec.tree.merge_drafts) by calibrated chance, and the step verifies the likeliest
-nodes of the whole batch, as many as earn the most committed tokens per second.
+goes on. Running the heads is offered to the policy (`option`) for the requests where
+their own measured acceptance beats the suffix draft's, with the verify rows they would
+add and their measured time; the policy chooses (`extend` then runs them) and merges
+nothing itself. The drafts are merged (specdec.spec.tree.merge_drafts) by calibrated
+chance into one tree per request, every node scored (`DraftTree.chances`), and the policy
+verifies the likeliest nodes of the whole batch, as many as earn the most committed
+tokens per second.
 
 Every guess is deterministic (verified one-hot), so the merged tree is verified exactly as
 either drafter's tree would be: lossless for greedy and sampled requests alike.
@@ -26,7 +27,6 @@ Drafter contract's reconciliation), so the drafter needs no hook in the engine.
 """
 from __future__ import annotations
 
-import math
 import time
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
@@ -36,18 +36,13 @@ import torch
 from specdec.drafters.base import Drafter, DraftRequest
 from specdec.drafters.recurrent_drafter import RecurrentDrafter
 from specdec.drafters.suffix import SuffixDraft, SuffixDrafter
-from specdec.spec.adaptive import CostModel, LineFit
+from specdec.spec.adaptive import LineFit
+from specdec.spec.policy import DraftOption
 from specdec.spec.tree import DraftTree, ScoredDraft, merge_drafts
 
 SUFFIX, HEADS = 0, 1
 DISCOUNT = 0.98  # per verify: the calibrations follow about the last 50
 REQUEST_DISCOUNT = 0.8
-HEADS_MARGIN = 0.05  # running the heads must promise 5% more tokens per second
-# A node's chance counts 10% less when choosing how many to verify: the cost line holds
-# only the forward, not a drafted step's verify and bookkeeping, and a wrong "yes" costs a
-# row while a wrong "no" costs nothing (without it the unbiased calibration drafted twice
-# as often for no more speed).
-NODE_MARGIN = 0.1
 # The heads' trees stay small: each depth costs a heads step and an LM-head product per
 # expanded node, and their guesses beyond a few tokens are rarely right (their 6-node trees
 # were the fastest of their settings on open chat); suffix decoding drafts the long runs.
@@ -114,16 +109,6 @@ class _Offer:
     band: int  # the suffix draft's match band
 
 
-@dataclass(frozen=True)
-class _Cut:
-    """The nodes a step verifies: those of at least min_chance, worth `commits` tokens
-    with the requests' own (NODE_MARGIN off each node), over `rows` query tokens."""
-
-    min_chance: float
-    commits: float
-    rows: int
-
-
 @dataclass
 class _HeadsWorth:
     """A request's accepted heads guesses per step that ran them (seeded from all requests')."""
@@ -144,7 +129,6 @@ class _HeadsWorth:
 class HybridDrafter(Drafter):
     suffix: SuffixDrafter
     heads: RecurrentDrafter | None
-    cost: CostModel | None  # the target's forward cost; None: no time model (heads whenever they are worth more)
     suffix_calibrations: list[list[_Calibration]] = field(default_factory=_cell_priors)  # [band][depth cell]
     heads_calibration: _Calibration = field(default_factory=_Calibration)
     heads_total: _HeadsWorth = field(default_factory=lambda: _HeadsWorth(1.0, 1.0))
@@ -152,32 +136,41 @@ class HybridDrafter(Drafter):
     heads_seconds: LineFit = field(default_factory=LineFit)  # heads drafting time against requests drafted
     offers: dict[str, list[_Offer]] = field(default_factory=dict)  # per request, those with guesses undecided
 
+    scores_nodes = True
+
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
-        if not self._any_guess_pays(len(requests)):
-            # A big batch: not even a certain guess is worth its verify row, so only keep
-            # the suffix index current (what the cache learns of these requests) and skip
-            # the lookups, which cost a few percent of such a step.
-            for request in requests:
-                self.suffix.observe(request.request_id, request.token_ids)
-            return [DraftTree.chain([r.token_ids[-1]]) for r in requests]
+        """Each request's suffix draft, its nodes scored by calibrated chance."""
+        trees = []
         for request in requests:
             self._score_offers(request)
-        found = [self.suffix.draft(r) for r in requests]
-        suffix = [self._calibrated(d) for d in found]
-        suffix_chances = _chances(suffix)
-        cut = self._cut(len(requests), suffix_chances)
-        chosen = self._choose_heads(requests, suffix, cut)
-        heads = self._run_heads([requests[i] for i in chosen])
-        if heads:
-            cut = self._cut(len(requests), suffix_chances + _chances(heads, self.heads_calibration.factor))
-        trees = []
-        for i, request in enumerate(requests):
-            drafts = [(suffix[i], 1.0)] + ([(heads[chosen.index(i)], self.heads_calibration.factor)]
-                                           if i in chosen else [])
-            merged = merge_drafts(request.token_ids[-1], drafts, request.num_draft_tokens, cut.min_chance)
-            raw = [found[i].scored] + ([heads[chosen.index(i)]] if i in chosen else [])
-            self._remember(request, merged.tree, raw, match_band(found[i].match_length))
+            found = self.suffix.draft(request)
+            merged = merge_drafts(request.token_ids[-1], [(self._calibrated(found), 1.0)], request.num_draft_tokens)
+            self._remember_suffix(request, found)
             trees.append(merged.tree)
+        return trees
+
+    def option(self, requests: list[DraftRequest], trees: list[DraftTree]) -> DraftOption | None:
+        """Running the heads for the requests whose heads are worth more than their suffix
+        draft (trees: those drafts), with the rows they would add and their time."""
+        if self.heads is None:
+            return None
+        gains = {i: self._heads_worth(r.request_id).mean - _expected(trees[i])
+                 for i, r in enumerate(requests) if self.heads.has_hidden(r.request_id)}
+        rows = {i: max(min(requests[i].num_draft_tokens, HEADS_MAX_NODES) - trees[i].num_drafts, 0) for i in gains}
+        return DraftOption(gains, rows, self._heads_time)
+
+    def extend(self, requests: list[DraftRequest], trees: list[DraftTree], chosen: list[int]) -> list[DraftTree]:
+        """The trees with the chosen requests' heads drafts merged in by calibrated chance."""
+        heads = self._run_heads([requests[i] for i in chosen])
+        factor = self.heads_calibration.factor
+        trees = list(trees)
+        for i, draft in zip(chosen, heads, strict=True):
+            request, suffix = requests[i], trees[i]
+            assert suffix.chances is not None  # propose scores every node
+            merged = merge_drafts(request.token_ids[-1], [(ScoredDraft(suffix, suffix.chances), 1.0),
+                                                          (draft, factor)], request.num_draft_tokens)
+            self._remember_heads(request, merged.tree, draft)
+            trees[i] = merged.tree
         return trees
 
     @property
@@ -214,49 +207,6 @@ class HybridDrafter(Drafter):
             chances.append(chances[parent] * min(_conditional(probs, parent, i) * factor, 1.0))
         return ScoredDraft(tree, chances)
 
-    def _cut(self, num_requests: int, chances: list[float]) -> _Cut:
-        """Which of the drafts' nodes (chances: every node's calibrated chance) to verify:
-        the k likeliest, with the k that earns the most committed tokens per second on the
-        cost line (0: none). The best rate is the bar, not the rate of every node: a long
-        copy whose guesses are all likely would otherwise set a bar that none of them clears."""
-        chances = sorted(chances, reverse=True)
-        if self.cost is None:
-            return _Cut(0.0, num_requests + sum(chances), num_requests + len(chances))
-        intercept, slope = self.cost.line()
-        commits = best_commits = float(num_requests)
-        best_k, best_rate = 0, commits / max(intercept + slope * num_requests, 1e-9)
-        for k, chance in enumerate(chances, start=1):
-            commits += chance / (1 + NODE_MARGIN)
-            rate = commits / max(intercept + slope * (num_requests + k), 1e-9)
-            if rate > best_rate:
-                best_k, best_rate, best_commits = k, rate, commits
-        return _Cut(chances[best_k - 1] if best_k else math.inf, best_commits, num_requests + best_k)
-
-    def _any_guess_pays(self, num_requests: int) -> bool:
-        """Whether a guess the target surely takes is worth a verify row in a step of
-        num_requests (the heads' guesses are never likelier)."""
-        return self._cut(num_requests, [1.0]).min_chance <= 1.0
-
-    def _choose_heads(self, requests: list[DraftRequest], suffix: list[ScoredDraft], cut: _Cut) -> list[int]:
-        """Indices of the requests whose heads draft is worth running this step (suffix:
-        each request's calibrated suffix draft; cut: what of those is worth verifying)."""
-        if self.heads is None:
-            return []
-        gains = {i: self._heads_worth(r.request_id).mean - _expected(suffix[i])
-                 for i, r in enumerate(requests) if self.heads.has_hidden(r.request_id)}
-        order = sorted((i for i, gain in gains.items() if gain > 0), key=lambda i: -gains[i])
-        if self.cost is None or not order:
-            return order
-        commits, rows = cut.commits, cut.rows
-        best, best_rate = 0, (1 + HEADS_MARGIN) * commits / self.cost.forward_time(rows)
-        for m, i in enumerate(order, start=1):
-            commits += gains[i]
-            rows += max(min(requests[i].num_draft_tokens, HEADS_MAX_NODES) - suffix[i].tree.num_drafts, 0)
-            rate = commits / (self.cost.forward_time(rows) + self._heads_time(m))
-            if rate > best_rate:
-                best, best_rate = m, rate
-        return order[:best]
-
     def _heads_time(self, num_requests: int) -> float:
         if self.heads_seconds.w == 0:
             return 0.0
@@ -281,22 +231,24 @@ class HybridDrafter(Drafter):
 
     # ---- learning -----------------------------------------------------------------------
 
-    def _remember(self, request: DraftRequest, tree: DraftTree, drafts: list[ScoredDraft], band: int) -> None:
-        """Keep, per source (drafts: the suffix draft, then the heads' if they ran), the
-        paths of its guesses to score: the heads' that made it into the verified tree (what
-        running them added), and every suffix guess, verified or cut. A cut suffix guess is
-        judged by the tokens the target commits all the same, so that a bad start cannot
-        cut all later suffix guesses for good (nothing verified, nothing learnt)."""
-        kept = {tuple(tree.token_ids[n] for n in tree.path_to(i)[1:]) for i in range(1, tree.num_nodes)}
-        paths: list[list[_Guess]] = [[], []]
-        for source, draft in enumerate(drafts):
-            for i in range(1, draft.tree.num_nodes):
-                path = tuple(draft.tree.token_ids[n] for n in draft.tree.path_to(i)[1:])
-                if source == SUFFIX:
-                    paths[source].append(_Guess(path, _conditional(draft.probs, draft.tree.parents[i], i)))
-                elif path in kept:
-                    paths[source].append(_Guess(path, draft.probs[i]))
-        self.offers.setdefault(request.request_id, []).append(_Offer(len(request.token_ids) - 1, paths, band))
+    def _remember_suffix(self, request: DraftRequest, found: SuffixDraft) -> None:
+        """Keep every suffix guess of this step to score once the committed tokens decide it,
+        verified or cut: a cut guess is judged by the tokens the target commits all the
+        same, so that a bad start cannot cut all later suffix guesses for good (nothing
+        verified, nothing learnt)."""
+        draft = found.scored
+        guesses = [_Guess(_path(draft.tree, i), _conditional(draft.probs, draft.tree.parents[i], i))
+                   for i in range(1, draft.tree.num_nodes)]
+        offer = _Offer(len(request.token_ids) - 1, [guesses, []], match_band(found.match_length))
+        self.offers.setdefault(request.request_id, []).append(offer)
+
+    def _remember_heads(self, request: DraftRequest, tree: DraftTree, draft: ScoredDraft) -> None:
+        """Keep this step's heads guesses that made it into the request's tree (what running
+        them offered), beside its suffix guesses."""
+        kept = {_path(tree, i) for i in range(1, tree.num_nodes)}
+        guesses = [_Guess(path, draft.probs[i]) for i in range(1, draft.tree.num_nodes)
+                   if (path := _path(draft.tree, i)) in kept]
+        self.offers[request.request_id][-1].paths[HEADS].extend(guesses)
 
     def _score_offers(self, request: DraftRequest) -> None:
         """Learn from the guesses the request's tokens now decide; keep the undecided ones.
@@ -341,16 +293,16 @@ def _learn(calibration: _Calibration, guesses: list[_Guess], committed: tuple[in
     return accepted
 
 
+def _path(tree: DraftTree, node: int) -> tuple[int, ...]:
+    """The tokens after the root on the path to a node."""
+    return tuple(tree.token_ids[n] for n in tree.path_to(node)[1:])
+
+
 def _conditional(probs: list[float], parent: int, node: int) -> float:
     """A suffix node's frequency among its parent's continuations (probs: path frequencies)."""
     return probs[node] / max(probs[parent], 1e-9)
 
 
-def _chances(drafts: list[ScoredDraft], weight: float = 1.0) -> list[float]:
-    """Every drafted node's chance, times the drafts' calibration weight."""
-    return [weight * c for d in drafts for c in d.probs[1:]]
-
-
-def _expected(draft: ScoredDraft) -> float:
-    """Accepted tokens the (calibrated) draft promises."""
-    return sum(draft.probs[1:])
+def _expected(tree: DraftTree) -> float:
+    """Accepted tokens the scored tree promises."""
+    return sum(tree.chances[1:]) if tree.chances is not None else 0.0

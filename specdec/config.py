@@ -73,12 +73,6 @@ class SpeculativeConfig:
         return config
 
     @property
-    def drafter_prices_guesses(self) -> bool:
-        """The drafter cuts its own guesses by the target's cost (hybrid drafting, given the
-        adaptive cost model), so an adaptive policy only learns that cost."""
-        return self.method == "hybrid"
-
-    @property
     def num_lookahead_slots(self) -> int:
         """KV slots a verify step needs beyond the last committed token."""
         return self.num_tree_nodes or self.num_speculative_tokens

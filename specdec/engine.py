@@ -26,7 +26,7 @@ from specdec.pacing import PrefillPacer
 from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest, Scheduler
-from specdec.spec.adaptive import AdaptiveSpeculation, CostLearning, DrafterPricing, Stopwatch, calibrate
+from specdec.spec.adaptive import AdaptiveSpeculation, Stopwatch, calibrate
 from specdec.spec.forced import forced_draft
 from specdec.spec.policy import FixedSpeculation, SpeculationPolicy, StepReport
 from specdec.spec.tree import DraftTree
@@ -59,10 +59,11 @@ class LLMEngine:
         self.runner = make_runner(self.model, config, kv_cache, self.device, self.max_model_len)
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
-        self.policy: SpeculationPolicy = _build_adaptive(self) if spec and spec.adaptive else FixedSpeculation()
+        self.drafter: Drafter | None = build_drafter(self._drafter_context()) if spec else None
+        self.policy: SpeculationPolicy = (_build_adaptive(self, self.drafter) if spec and spec.adaptive
+                                          else FixedSpeculation())
         self.pacer = PrefillPacer.from_config(config)
         self.scheduler = Scheduler(config, self.block_manager, self.policy, self.pacer)
-        self.drafter: Drafter | None = build_drafter(self._drafter_context()) if spec else None
         self.metrics = EngineMetrics(self.num_speculative_tokens)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                         GrammarLimits(config.max_grammar_compile_s, config.max_guided_choices,
@@ -74,8 +75,7 @@ class LLMEngine:
             spec=self.config.speculative_config, tokenizer=self.tokenizer, target=self.model, device=self.device,
             dtype=self.config.dtype, linear_backend=self.config.linear_backend, max_model_len=self.max_model_len,
             allocate_kv=self._allocate_draft_kv, num_kv_blocks=self.block_manager.num_blocks,
-            max_num_seqs=self.config.max_num_seqs,
-            cost=self.policy.cost if isinstance(self.policy, CostLearning) else None)
+            max_num_seqs=self.config.max_num_seqs)
 
     def _allocate_draft_kv(self, model: LlamaForCausalLM, num_blocks: int) -> tuple[ModelRunner, BlockManager]:
         """A runner over a fresh paged KV cache for a draft model (KV in its activation dtype)."""
@@ -234,14 +234,19 @@ class LLMEngine:
             wanted = [i for i in wanted if i not in faults]
         for i, tree in zip(wanted, drafted, strict=True):
             trees[i] = tree.prune(batch[i].num_draft_tokens, batch[i].max_depth)  # the drafter contract, enforced
-        return trees, faults
+        return self.policy.select(trees), faults
 
     def _draft(self, batch: list[ScheduledRequest], wanted: list[int]) -> list[DraftTree]:
+        """The drafter's trees for the wanted requests, with a costlier source it offers
+        run where the policy chooses it."""
         assert self.drafter is not None
         requests = [DraftRequest(batch[i].request.request_id, batch[i].request.all_token_ids,
                                  batch[i].num_draft_tokens, batch[i].max_depth,
                                  batch[i].request.sampling_params) for i in wanted]
-        return self.drafter.propose(requests)
+        trees = self.drafter.propose(requests)
+        option = self.drafter.option(requests, trees)
+        chosen = self.policy.choose(trees, option) if option is not None else []
+        return self.drafter.extend(requests, trees, chosen) if chosen else trees
 
     def _commit(self, batch: list[ScheduledRequest], trees: list[DraftTree],
                 verified: list[Verified]) -> list[RequestOutput]:
@@ -340,14 +345,13 @@ def _without(batch: list[ScheduledRequest], trees: list[DraftTree],
     return [batch[i] for i in kept], [trees[i] for i in kept]
 
 
-def _build_adaptive(engine: LLMEngine) -> CostLearning:
+def _build_adaptive(engine: LLMEngine, drafter: Drafter | None) -> AdaptiveSpeculation:
     """Calibrate the target's forward cost now, while the KV pool is still empty."""
     cost = calibrate(engine.runner.executor, engine.runner.kv_cache.layers, engine.config.block_size)
     spec = engine.config.speculative_config
     assert spec is not None
-    if spec.drafter_prices_guesses:
-        return DrafterPricing(cost)
-    return AdaptiveSpeculation(cost, whole_drafts=bool(spec.num_tree_nodes))
+    return AdaptiveSpeculation(cost, whole_drafts=bool(spec.num_tree_nodes),
+                               scored=drafter is not None and drafter.scores_nodes)
 
 
 def _step_report(batch: list[ScheduledRequest], trees: list[DraftTree], draft_seconds: float,

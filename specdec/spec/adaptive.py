@@ -20,12 +20,19 @@ A request left at k = 0 gets a one-token probe every `PROBE_EVERY` steps per req
 the batch (a probe costs a verify row, which is dearer when more requests share a step)
 so that its acceptance estimate can recover.
 
-`DrafterPricing` is the policy for a drafter that prices its own guesses with the same
-cost model each step (hybrid drafting): it grants every request its limit and only learns
-the cost line.
+A drafter that scores its nodes (hybrid drafting: `DraftTree.chances`, calibrated by
+what the target accepted) is sized after drafting instead: every request may draft its
+limit whenever a certain guess would pay for its row at this batch size, and `select`
+verifies the batch's likeliest nodes, as many as earn the most committed tokens per
+second on the cost line. A request-level gate on past acceptance would shut out the
+steps the drafter knows are good (a long suffix match in an edit loop after a stretch of
+open text), and its probes would verify guesses the drafter knows are bad. `choose`
+weighs a costlier source the drafter offers (its heads) the same way, with its drafting
+time.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -33,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specdec.kernels.metadata import AttentionMetadata
-from specdec.spec.policy import DraftLimit, SpeculationPolicy, StepReport
+from specdec.spec.policy import DraftLimit, DraftOption, SpeculationPolicy, StepReport
+from specdec.spec.tree import DraftTree
 
 if TYPE_CHECKING:
     from specdec.executor import Executor
@@ -47,6 +55,12 @@ CORRECTION_RATE = 0.1  # how fast measured drafting times move the estimate
 FIT_DISCOUNT = 0.97  # per step: the cost line follows about the last 30 steps
 FIT_MAX_TOKENS = 128  # steps with more query tokens are not fitted
 PRIOR_WEIGHT = 0.005  # the calibration points weigh at most 1/200 of a measured 1-token step together
+# A scored node's chance counts 10% less when choosing how many to verify: the cost line
+# holds only the forward, not a drafted step's verify and bookkeeping, and a wrong "yes"
+# costs a row while a wrong "no" costs nothing (without it the unbiased calibration
+# drafted twice as often for no more speed).
+NODE_MARGIN = 0.1
+OPTION_MARGIN = 0.05  # a draft option (running heads) must promise 5% more tokens per second
 
 
 class CostModel:
@@ -251,29 +265,33 @@ class CostLearning(SpeculationPolicy):
         self.cost.observe_draft(report.max_draft_depth, report.draft_seconds)
 
 
-class DrafterPricing(CostLearning):
-    """Grants every request its limit: the drafter verifies, per step, as many of its
-    likeliest guesses as earn the most tokens per second by this cost model. A second gate on the request's
-    past acceptance would shut out the steps the drafter knows are good (a long suffix
-    match in an edit loop after a stretch of open text), and its probes would verify
-    guesses the drafter knows are bad."""
+@dataclass(frozen=True)
+class _Cut:
+    """The scored nodes a step verifies: those of at least min_chance, worth `commits`
+    tokens (NODE_MARGIN off each node), over `rows` query tokens."""
 
-    def grant(self, limits: list[DraftLimit], base_tokens: int, base_commits: int) -> list[int]:
-        return [limit.num_draft_tokens for limit in limits]
+    min_chance: float
+    commits: float
+    rows: int
 
 
 class AdaptiveSpeculation(CostLearning):
-    def __init__(self, cost: CostModel, whole_drafts: bool) -> None:
+    def __init__(self, cost: CostModel, whole_drafts: bool, scored: bool = False) -> None:
         super().__init__(cost)
         # The drafter branches (trees): a draft is worth its measured mean accepted
         # length only whole, so it is granted all or nothing.
         self.whole_drafts = whole_drafts
+        # The drafter scores its nodes: they are cut after drafting (`select`).
+        self.scored = scored
         self.stats = AcceptanceStats()
 
     def grant(self, limits: list[DraftLimit], base_tokens: int, base_commits: int) -> list[int]:
         """Each request's draft tokens at the best expected tokens per second (maybe 0)."""
         if not limits:
             return []
+        if self.scored:  # sized by `select`; none at all where not even a sure guess pays
+            pays = self._cut(len(limits), [1.0]).min_chance <= 1.0
+            return [limit.num_draft_tokens if pays else 0 for limit in limits]
         chosen = self._choose(self._increments(limits), base_tokens, float(base_commits))
         probe_every = PROBE_EVERY * len(limits)
         return [self._probe_or(limit, chosen.get(i, 0), probe_every) for i, limit in enumerate(limits)]
@@ -320,11 +338,61 @@ class AdaptiveSpeculation(CostLearning):
         counts.idle_steps = 0
         return limit.num_draft_tokens if self.whole_drafts else 1
 
+    def select(self, trees: list[DraftTree]) -> list[DraftTree]:
+        """The batch's scored nodes worth their rows (unscored trees stay whole)."""
+        if not self.scored:
+            return trees
+        cut = self._cut(_fixed_rows(trees), _chances(trees))
+        return [tree.likelier_than(cut.min_chance) for tree in trees]
+
+    def choose(self, trees: list[DraftTree], option: DraftOption) -> list[int]:
+        """The requests whose option (their heads' draft) earns the most tokens per second,
+        its drafting time and extra rows included, over verifying the trees as they are."""
+        order = sorted((i for i, gain in option.gains.items() if gain > 0), key=lambda i: -option.gains[i])
+        if not order:
+            return []
+        cut = self._cut(_fixed_rows(trees), _chances(trees))
+        commits, rows = cut.commits, cut.rows
+        best, best_rate = 0, (1 + OPTION_MARGIN) * commits / self.cost.forward_time(rows)
+        for m, i in enumerate(order, start=1):
+            commits += option.gains[i]
+            rows += option.rows.get(i, 0)
+            rate = commits / (self.cost.forward_time(rows) + option.seconds(m))
+            if rate > best_rate:
+                best, best_rate = m, rate
+        return order[:best]
+
+    def _cut(self, base_rows: int, chances: list[float]) -> _Cut:
+        """Which scored nodes to verify (chances: every one's): the k likeliest, with the k
+        that earns the most committed tokens per second on the cost line (0: none). The
+        best rate is the bar, not the rate of every node: a long copy whose guesses are
+        all likely would otherwise set a bar that none of them clears."""
+        chances = sorted(chances, reverse=True)
+        intercept, slope = self.cost.line()
+        commits = best_commits = float(base_rows)
+        best_k, best_rate = 0, commits / max(intercept + slope * base_rows, 1e-9)
+        for k, chance in enumerate(chances, start=1):
+            commits += chance / (1 + NODE_MARGIN)
+            rate = commits / max(intercept + slope * (base_rows + k), 1e-9)
+            if rate > best_rate:
+                best_k, best_rate, best_commits = k, rate, commits
+        return _Cut(chances[best_k - 1] if best_k else math.inf, best_commits, base_rows + best_k)
+
     def observe_verify(self, request_id: str, num_drafted: int, num_accepted: int, num_nodes: int) -> None:
         self.stats.observe(request_id, num_drafted, num_accepted, num_nodes)
 
     def forget(self, request_id: str) -> None:
         self.stats.forget(request_id)
+
+
+def _fixed_rows(trees: list[DraftTree]) -> int:
+    """Rows every step runs whatever the cut: each request's root, and unscored drafts whole."""
+    return sum(1 if tree.chances is not None else tree.num_nodes for tree in trees)
+
+
+def _chances(trees: list[DraftTree]) -> list[float]:
+    """Every scored draft node's chance."""
+    return [chance for tree in trees if tree.chances is not None for chance in tree.chances[1:]]
 
 
 class Stopwatch:

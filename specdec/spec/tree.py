@@ -37,6 +37,10 @@ class DraftTree:
     # Top-k picks must use None: they are not draws from the draft distribution, and
     # verifying them against it would bias the output.
     draft_probs: Tensor | None = None
+    # [N] the drafter's estimate that the target accepts the path to each node (the root's
+    # is 1; never higher than its parent's), for the policy to verify the nodes worth their
+    # rows; None: the drafter does not score its nodes.
+    chances: list[float] | None = None
     depths: list[int] = field(init=False)  # [N] root = 0
     _children: list[list[int]] = field(init=False, repr=False)
 
@@ -47,6 +51,8 @@ class DraftTree:
                              f"for {n} tokens")
         if self.draft_probs is not None and (self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != n):
             raise ValueError(f"draft_probs shape {tuple(self.draft_probs.shape)}, expected ({n}, V)")
+        if self.chances is not None and len(self.chances) != n:
+            raise ValueError(f"{len(self.chances)} chances for {n} nodes")
         depths: list[int] = [0] * n
         children: list[list[int]] = [[] for _ in range(n)]
         for i, p in enumerate(self.parents[1:], start=1):
@@ -182,8 +188,16 @@ class DraftTree:
         if len(keep) == self.num_nodes:
             return self
         probs = None if self.draft_probs is None else self.draft_probs[torch.tensor(keep, dtype=torch.long)]
+        chances = None if self.chances is None else [self.chances[i] for i in keep]
         return DraftTree([self.token_ids[i] for i in keep],
-                         [-1] + [new_index[self.parents[i]] for i in keep[1:]], probs)
+                         [-1] + [new_index[self.parents[i]] for i in keep[1:]], probs, chances)
+
+    def likelier_than(self, min_chance: float) -> DraftTree:
+        """The nodes whose chance is at least min_chance (ancestor-closed, as a node's chance
+        is never above its parent's); the whole tree when its nodes are not scored."""
+        if self.chances is None:
+            return self
+        return self.subtree([i for i, chance in enumerate(self.chances) if i == 0 or chance >= min_chance])
 
 
 @dataclass(frozen=True)
@@ -236,8 +250,10 @@ def merge_drafts(root: int, drafts: Sequence[tuple[ScoredDraft, float]], max_dra
     kept = best_first(parents[1:], chances[1:], max_drafts)  # merged node n is candidate n - 1
     kept = kept[: next((i for i, k in enumerate(kept) if chances[k + 1] < min_prob), len(kept))]
     new_index = {0: 0} | {k + 1: i + 1 for i, k in enumerate(kept)}
-    tree = DraftTree([root] + [tokens[k + 1] for k in kept], [-1] + [new_index[parents[k + 1]] for k in kept])
-    return ScoredDraft(tree, [1.0] + [chances[k + 1] for k in kept])
+    kept_chances = [1.0] + [chances[k + 1] for k in kept]
+    tree = DraftTree([root] + [tokens[k + 1] for k in kept], [-1] + [new_index[parents[k + 1]] for k in kept],
+                     chances=kept_chances)
+    return ScoredDraft(tree, kept_chances)
 
 
 def expand_layer(

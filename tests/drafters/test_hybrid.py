@@ -3,16 +3,19 @@ the target's answers, and the whole engine lossless with it (greedy and seeded s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 
-from specdec import LLM, SamplingParams
+from specdec import SamplingParams
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DraftRequest
 from specdec.drafters.hybrid import MATCH_BAND_STARTS, HybridDrafter, _Calibration, _Guess, _Offer, match_band
 from specdec.drafters.suffix import SuffixDraft, SuffixDrafter
-from specdec.spec.adaptive import CostModel
+from specdec.llm import LLM
+from specdec.spec.adaptive import AdaptiveSpeculation, CostModel
+from specdec.spec.policy import FixedSpeculation, SpeculationPolicy
 from specdec.spec.tree import DraftTree, ScoredDraft, merge_drafts
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
 
@@ -92,9 +95,25 @@ def ask(request_id: str, token_ids: list[int], budget: int = 6) -> DraftRequest:
     return DraftRequest(request_id, token_ids, budget, budget, SamplingParams())
 
 
-def hybrid(heads: FakeHeads | None, cost: CostModel | None = None) -> HybridDrafter:
+def hybrid(heads: FakeHeads | None) -> HybridDrafter:
     spec = SpeculativeConfig(method="hybrid", num_speculative_tokens=6, num_tree_nodes=6, suffix_min_prob=0.0)
-    return HybridDrafter(SuffixDrafter(spec), heads, cost)  # type: ignore[arg-type]
+    return HybridDrafter(SuffixDrafter(spec), heads)  # type: ignore[arg-type]
+
+
+def suffix_only(depth: int = 6) -> HybridDrafter:
+    return HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=depth,
+                                                         num_tree_nodes=depth, suffix_min_prob=0.0)), None)
+
+
+def step(drafter: HybridDrafter, requests: list[DraftRequest], cost: CostModel | None = None) -> list[DraftTree]:
+    """One engine step's drafting: the drafter proposes, the policy chooses where the heads
+    run, then selects the nodes worth verifying (all of them without a cost model)."""
+    policy: SpeculationPolicy = (AdaptiveSpeculation(cost, whole_drafts=True, scored=True) if cost is not None
+                                 else FixedSpeculation())
+    trees = drafter.propose(requests)
+    option = drafter.option(requests, trees)
+    chosen = policy.choose(trees, option) if option is not None else []
+    return policy.select(drafter.extend(requests, trees, chosen) if chosen else trees)
 
 
 def test_without_heads_it_drafts_what_suffix_decoding_drafts() -> None:
@@ -102,14 +121,14 @@ def test_without_heads_it_drafts_what_suffix_decoding_drafts() -> None:
     drafter = hybrid(None)
     spec = SpeculativeConfig(method="suffix", num_speculative_tokens=6, num_tree_nodes=6, suffix_min_prob=0.0)
     expected = SuffixDrafter(spec).propose([ask("r", context)])[0]
-    assert drafter.propose([ask("r", context)])[0].token_ids == expected.token_ids == [3, 4, 5, 1]
+    assert step(drafter, [ask("r", context)])[0].token_ids == expected.token_ids == [3, 4, 5, 1]
 
 
 def test_heads_run_where_suffix_decoding_finds_nothing_and_are_merged_in() -> None:
     heads = FakeHeads([50, 51, 52])
     drafter = hybrid(heads)
     text = [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    tree = drafter.propose([ask("open", [10, 11, 12]), ask("copy", [*text, *text[:8]])])
+    tree = step(drafter, [ask("open", [10, 11, 12]), ask("copy", [*text, *text[:8]])])
     assert heads.calls == [["open"]]  # the copying request's suffix draft is worth more than the heads'
     assert tree[0].token_ids == [12, 50, 51, 52]
     assert tree[1].token_ids[:4] == [8, 9, 1, 2]
@@ -119,13 +138,13 @@ def test_it_learns_from_the_committed_tokens() -> None:
     heads = FakeHeads([50, 51, 52])
     drafter = hybrid(heads)
     context = [10, 11, 12]
-    for step in range(12):  # the target never takes the heads' guesses
-        drafter.propose([ask("r", context)])
-        context = context + [60 + step]
+    for count in range(12):  # the target never takes the heads' guesses
+        step(drafter, [ask("r", context)])
+        context = context + [60 + count]
     assert drafter.heads_calibration.factor < 0.2
     assert drafter.heads_worth["r"].mean < 0.1
     calls = len(heads.calls)
-    drafter.propose([ask("r", context + [1, 2, 3, 1, 2])])  # and now a weak suffix match beats them
+    step(drafter, [ask("r", context + [1, 2, 3, 1, 2])])  # and now a weak suffix match beats them
     assert len(heads.calls) == calls
     drafter.free("r")
     assert "r" not in drafter.offers and "r" not in drafter.heads_worth
@@ -147,19 +166,18 @@ def test_cut_suffix_guesses_are_judged_too_so_a_bad_start_does_not_stop_drafting
     """A calibration that fell so low that every suffix guess is cut still learns, from
     the tokens the target commits, that the guesses were right, and drafting resumes."""
     cost = CostModel([1, 2, 4, 8], [0.010, 0.015, 0.025, 0.045])  # a verify row costs half a decode
-    drafter = HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=6,
-                                                            num_tree_nodes=6, suffix_min_prob=0.0)), None, cost)
+    drafter = suffix_only()
     drafter.suffix_calibrations = [[_Calibration(accepted=0.1, predicted=4.0) for _ in band]  # as if wrong at first
                                    for band in drafter.suffix_calibrations]
     text = list(range(1, 16))
     context = text + [1, 2]
-    assert drafter.propose([ask("r", context)])[0].num_drafts == 0  # every guess cut
+    assert step(drafter, [ask("r", context)], cost)[0].num_drafts == 0  # every guess cut
     for token in text[2:]:  # the target copies the text, one plain decode step at a time
         context = context + [token]
-        drafter.propose([ask("r", context)])
+        step(drafter, [ask("r", context)], cost)
     # the match grew from 2 to 15 tokens as the copy went on, eight steps of them 8 or longer
     assert drafter.suffix_calibrations[match_band(8)][0].factor > 0.5
-    assert drafter.propose([ask("r", text + text[:12])])[0].num_drafts > 0
+    assert step(drafter, [ask("r", text + text[:12])], cost)[0].num_drafts > 0
 
 
 def test_each_match_band_keeps_its_own_calibration() -> None:
@@ -168,12 +186,11 @@ def test_each_match_band_keeps_its_own_calibration() -> None:
     assert [match_band(n) for n in (2, 3, 4, 7, 8, 15, 16, 30)] == [0, 1, 2, 2, 3, 3, 4, 4]
     assert len(MATCH_BAND_STARTS) == 4
     cost = CostModel([1, 2, 4, 8], [0.010, 0.015, 0.025, 0.045])
-    drafter = HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=6,
-                                                            num_tree_nodes=6, suffix_min_prob=0.0)), None, cost)
+    drafter = suffix_only()
     drafter.suffix_calibrations[match_band(2)][0] = _Calibration(accepted=0.1, predicted=4.0)  # short ones failed
     text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
-    assert drafter.propose([ask("short", [*text, 20, 3, 4])])[0].num_drafts == 0  # a 2-token match: cut
-    long = drafter.propose([ask("long", [*text, 20, 1, 2, 3, 4, 5, 6, 7, 8])])[0]  # an 8-token match
+    assert step(drafter, [ask("short", [*text, 20, 3, 4])], cost)[0].num_drafts == 0  # a 2-token match: cut
+    long = step(drafter, [ask("long", [*text, 20, 1, 2, 3, 4, 5, 6, 7, 8])], cost)[0]  # an 8-token match
     assert long.token_ids[1:3] == [9, 10]
 
 
@@ -215,44 +232,28 @@ def test_a_long_copy_whose_guesses_are_all_likely_is_verified_whole() -> None:
     """The bar a node must clear is the best rate a cut reaches, not the rate of every
     node: a long copy's sixteen near-certain guesses are all worth a verify row."""
     cost = CostModel([1, 2, 4, 8, 16], [0.010, 0.014, 0.022, 0.038, 0.070])  # a row: 4 ms
-    drafter = HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=16,
-                                                            num_tree_nodes=16, suffix_min_prob=0.0)), None, cost)
+    drafter = suffix_only(16)
     for cell in drafter.suffix_calibrations[match_band(24)]:
         cell.accepted = cell.predicted = 1.0
     text = list(range(1, 41))
-    assert drafter.propose([ask("r", text + text[:24], budget=16)])[0].token_ids[1:] == text[24:40]
-    assert drafter._cut(1, [0.1]).min_chance == float("inf")
-
-
-def test_a_batch_too_big_for_any_guess_to_pay_skips_the_lookups_but_keeps_indexing() -> None:
-    cost = CostModel([1, 2, 4, 8, 16], [0.010, 0.014, 0.022, 0.038, 0.070])  # a row: 4 ms
-    drafter = HybridDrafter(SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=6,
-                                                            num_tree_nodes=6, suffix_min_prob=0.0)), None, cost)
-    assert drafter._any_guess_pays(1) and not drafter._any_guess_pays(16)
-    text = list(range(1, 21))
-    crowd = [ask(f"other{i}", [100 + i]) for i in range(15)]
-    trees = drafter.propose([ask("r", text + text[:8]), *crowd])
-    assert all(t.num_drafts == 0 for t in trees) and drafter.offers == {}
-    assert drafter.suffix.contexts["r"].index.end == 28  # the request's tokens were indexed all the same
-    assert drafter.propose([ask("r", text + text[:9])])[0].token_ids[1:3] == [10, 11]  # alone again: it drafts
+    assert step(drafter, [ask("r", text + text[:24], budget=16)], cost)[0].token_ids[1:] == text[24:40]
 
 
 def test_the_cost_model_keeps_heads_off_when_their_time_outweighs_their_worth() -> None:
     cost = CostModel([1, 8], [0.01, 0.012])
     heads = FakeHeads([50, 51])
-    drafter = hybrid(heads, cost)
+    drafter = hybrid(heads)
     drafter.heads_seconds.add(1, 0.05)  # the heads took five forwards' time
     drafter.heads_seconds.add(2, 0.06)
-    drafter.propose([ask("r", [10, 11, 12])])
+    step(drafter, [ask("r", [10, 11, 12])], cost)
     assert heads.calls == []
-
 
 
 def test_the_heads_guesses_are_verified_where_they_pay_and_suffix_decoding_found_nothing() -> None:
     cost = CostModel([1, 2, 4, 8], [0.010, 0.0105, 0.0115, 0.0135])  # a row: a twentieth of a decode
     heads = FakeHeads([50, 51])  # chance 0.9 each, calibrated at 1
-    drafter = hybrid(heads, cost)
-    tree = drafter.propose([ask("r", [10, 11, 12])])[0]
+    drafter = hybrid(heads)
+    tree = step(drafter, [ask("r", [10, 11, 12])], cost)[0]
     assert heads.calls == [["r"]]
     assert tree.token_ids == [12, 50, 51]
 
@@ -260,12 +261,12 @@ def test_the_heads_guesses_are_verified_where_they_pay_and_suffix_decoding_found
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model_dir) -> LLM:  # type: ignore[no-untyped-def]
+def plain(tiny_model_dir: Path) -> LLM:
     return LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_greedy_hybrid_is_lossless(plain, tiny_model_dir, tiny_recurrent_dir, adaptive: bool) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_hybrid_is_lossless(plain: LLM, tiny_model_dir: Path, tiny_recurrent_dir: Path, adaptive: bool) -> None:
     config = {"method": "hybrid", "num_speculative_tokens": 4, "num_tree_nodes": 8, "model": str(tiny_recurrent_dir),
               "adaptive": adaptive}
     spec = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=config)
@@ -276,7 +277,7 @@ def test_greedy_hybrid_is_lossless(plain, tiny_model_dir, tiny_recurrent_dir, ad
     assert_all_blocks_free(spec)
 
 
-def test_hybrid_with_chunked_prefill_and_preemption(plain, tiny_model_dir, tiny_recurrent_dir) -> None:  # type: ignore[no-untyped-def]
+def test_hybrid_with_chunked_prefill_and_preemption(plain: LLM, tiny_model_dir: Path, tiny_recurrent_dir: Path) -> None:
     from tests.helpers import block_bytes
 
     prompts = random_prompts(100, 6)
@@ -290,7 +291,7 @@ def test_hybrid_with_chunked_prefill_and_preemption(plain, tiny_model_dir, tiny_
     assert spec.engine.drafter.offers == {} and spec.engine.drafter.suffix.contexts == {}  # type: ignore[union-attr]
 
 
-def test_hybrid_refuses_heads_that_are_not_recurrent(tiny_model_dir, tiny_medusa_dir) -> None:  # type: ignore[no-untyped-def]
+def test_hybrid_refuses_heads_that_are_not_recurrent(tiny_model_dir: Path, tiny_medusa_dir: Path) -> None:
     with pytest.raises(ValueError, match="recurrent Medusa heads"):
         LLM(str(tiny_model_dir), speculative_config={"method": "hybrid", "model": str(tiny_medusa_dir)})
 

@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
-from specdec import LLM
-from specdec.spec.adaptive import PROBE_EVERY, AdaptiveSpeculation, CostModel, DrafterPricing
-from specdec.spec.policy import DraftLimit, SpeculationPolicy, StepReport
+from specdec.llm import LLM
+from specdec.spec.adaptive import PROBE_EVERY, AdaptiveSpeculation, CostModel
+from specdec.spec.policy import DraftLimit, DraftOption, FixedSpeculation, SpeculationPolicy, StepReport
+from specdec.spec.tree import DraftTree
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
 
 
@@ -158,9 +159,12 @@ def test_probes_are_rarer_in_bigger_batches() -> None:
     assert probes == 4  # each of the 4 requests once in 4 * PROBE_EVERY steps
 
 
-def test_a_drafter_that_prices_its_guesses_gets_every_limit_and_the_cost_is_learnt() -> None:
-    policy = DrafterPricing(linear_cost())  # no draft would pay by the request-level plan
+def test_scored_drafts_get_every_limit_where_a_sure_guess_pays_and_the_cost_is_learnt() -> None:
+    cheap_rows = CostModel([1, 2, 4, 8, 16], [0.010, 0.014, 0.022, 0.038, 0.070])  # a row: 4 ms of a 10 ms step
+    policy = AdaptiveSpeculation(cheap_rows, whole_drafts=True, scored=True)
     assert grant(policy, [limit("a", 4, 8), limit("b", 2)]) == [8, 2]
+    # sixteen requests: a row of even a certain guess costs more than the token it adds
+    assert grant(policy, [limit(f"r{i}", 4) for i in range(16)]) == [0] * 16
     before = policy.cost.forward_time(1)
     for _ in range(20):
         policy.observe_step(StepReport(num_query_tokens=1, decode_only=True, max_draft_depth=0,
@@ -168,8 +172,45 @@ def test_a_drafter_that_prices_its_guesses_gets_every_limit_and_the_cost_is_lear
     assert policy.cost.forward_time(1) > 2 * before  # the measured steps move the line
 
 
-def test_adaptive_hybrid_drafting_prices_its_own_guesses(tiny_model_dir: Any) -> None:
+def scored(chances: list[float]) -> DraftTree:
+    """A chain whose nodes carry these chances (after the root's 1)."""
+    return DraftTree(list(range(len(chances) + 1)), list(range(-1, len(chances))), chances=[1.0, *chances])
+
+
+def test_select_verifies_the_batchs_likeliest_nodes_worth_their_rows() -> None:
+    cheap_rows = CostModel([1, 2, 4, 8, 16], [0.010, 0.014, 0.022, 0.038, 0.070])  # a row: 4 ms
+    policy = AdaptiveSpeculation(cheap_rows, whole_drafts=True, scored=True)
+    likely, unlikely = scored([0.99, 0.99, 0.98]), scored([0.2, 0.1])
+    forced = DraftTree.chain([7, 8, 9])  # unscored (a grammar's forced tokens): verified whole
+    kept = policy.select([likely, unlikely, forced])
+    assert [t.num_drafts for t in kept] == [3, 0, 2]
+    assert kept[0].chances == likely.chances
+    everything = FixedSpeculation().select([likely, unlikely])
+    assert everything == [likely, unlikely]
+
+
+def test_select_keeps_a_long_likely_copy_whole() -> None:
+    """The bar a node must clear is the best rate a cut reaches, not the rate of every
+    node: a long copy's sixteen near-certain guesses are all worth a verify row."""
+    cost = CostModel([1, 2, 4, 8, 16], [0.010, 0.014, 0.022, 0.038, 0.070])
+    policy = AdaptiveSpeculation(cost, whole_drafts=True, scored=True)
+    assert policy.select([scored([0.99] * 16)])[0].num_drafts == 16
+    assert policy.select([scored([0.1])])[0].num_drafts == 0
+
+
+def test_choose_runs_an_option_only_where_its_gain_beats_its_time_and_rows() -> None:
+    cost = CostModel([1, 2, 4, 8], [0.010, 0.0105, 0.0115, 0.0135])  # a row: a twentieth of a decode
+    policy = AdaptiveSpeculation(cost, whole_drafts=True, scored=True)
+    trees = [scored([]), scored([0.9, 0.9])]
+    cheap = DraftOption({0: 1.5, 1: -0.5}, {0: 2, 1: 0}, lambda count: 0.0005 * count)
+    assert policy.choose(trees, cheap) == [0]  # request 1 would lose by it
+    slow = DraftOption({0: 1.5}, {0: 2}, lambda count: 0.05 * count)  # five forwards' time
+    assert policy.choose(trees, slow) == []
+    assert FixedSpeculation().choose(trees, slow) == [0]  # without a cost model: wherever it gains
+
+
+def test_adaptive_hybrid_drafting_is_cut_by_the_policy(tiny_model_dir: Any) -> None:
     spec = LLM(str(tiny_model_dir), max_model_len=256,
                speculative_config={"method": "hybrid", "num_speculative_tokens": 4, "adaptive": True})
-    assert isinstance(spec.engine.policy, DrafterPricing)
-    assert spec.engine.drafter.cost is spec.engine.policy.cost  # type: ignore[union-attr]
+    policy = spec.engine.policy
+    assert isinstance(policy, AdaptiveSpeculation) and policy.scored
