@@ -290,7 +290,7 @@ class AdaptiveSpeculation(CostLearning):
         if not limits:
             return []
         if self.scored:  # sized by `select`; none at all where not even a sure guess pays
-            pays = self._cut(len(limits), [1.0]).min_chance <= 1.0
+            pays = self._sure_guess_pays(len(limits))
             return [limit.num_draft_tokens if pays else 0 for limit in limits]
         chosen = self._choose(self._increments(limits), base_tokens, float(base_commits))
         probe_every = PROBE_EVERY * len(limits)
@@ -340,9 +340,10 @@ class AdaptiveSpeculation(CostLearning):
 
     def select(self, trees: list[DraftTree]) -> list[DraftTree]:
         """The batch's scored nodes worth their rows (unscored trees stay whole)."""
-        if not self.scored:
+        chances = _chances(trees) if self.scored else []
+        if not chances:  # nothing scored was drafted: the common step, kept cheap
             return trees
-        cut = self._cut(_fixed_rows(trees), _chances(trees))
+        cut = self._cut(_fixed_rows(trees), chances)
         return [tree.likelier_than(cut.min_chance) for tree in trees]
 
     def choose(self, trees: list[DraftTree], option: DraftOption) -> list[int]:
@@ -361,6 +362,14 @@ class AdaptiveSpeculation(CostLearning):
             if rate > best_rate:
                 best, best_rate = m, rate
         return order[:best]
+
+    def _sure_guess_pays(self, num_requests: int) -> bool:
+        """Whether a guess the target surely takes is worth its verify row in a step of
+        num_requests: (n + 1 / (1 + NODE_MARGIN)) / t(n + 1) > n / t(n) on the cost line."""
+        intercept, slope = self.cost.line()
+        n = num_requests
+        now, more = max(intercept + slope * n, 1e-9), max(intercept + slope * (n + 1), 1e-9)
+        return (n + 1 / (1 + NODE_MARGIN)) * now > n * more
 
     def _cut(self, base_rows: int, chances: list[float]) -> _Cut:
         """Which scored nodes to verify (chances: every one's): the k likeliest, with the k
