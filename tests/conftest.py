@@ -1,5 +1,6 @@
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -44,28 +45,28 @@ def gpu_for_cuda_tests(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.fixtures import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
-def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.fixtures import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tiny-draft"), seed=1, num_layers=1)
 
 
 @pytest.fixture(scope="session")
-def tiny_medusa_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):  # type: ignore[no-untyped-def]
+def tiny_medusa_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     from tests.fixtures import make_medusa_heads
 
     return make_medusa_heads(tmp_path_factory.mktemp("tiny-medusa"), tiny_model_dir)
 
 
 @pytest.fixture(scope="session")
-def tiny_recurrent_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):  # type: ignore[no-untyped-def]
+def tiny_recurrent_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     from tests.fixtures import make_recurrent_heads
 
     return make_recurrent_heads(tmp_path_factory.mktemp("tiny-recurrent"), tiny_model_dir)

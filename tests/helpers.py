@@ -460,15 +460,24 @@ def store(backend: AttentionBackend[Any], key: Tensor, value: Tensor, kv: PagedK
 
 def app_state(running: RunningServer) -> Any:
     """The ServerState of a test server's app: its limits and its tokenizer thread."""
-    return running.server.config.app.state.server
+    from fastapi import FastAPI
+
+    app = running.server.config.app
+    assert isinstance(app, FastAPI)  # build_app's, in every RunningServer
+    return app.state.server
 
 
 @contextlib.contextmanager
 def logged_errors() -> Iterator[list[logging.LogRecord]]:
     """Records at ERROR or with a traceback, from the root logger and uvicorn's, meanwhile."""
     records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = lambda r: records.append(r) if r.levelno >= logging.ERROR or r.exc_info else None  # type: ignore[method-assign]
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR or record.exc_info:
+                records.append(record)
+
+    handler = Collect()
     loggers = [logging.getLogger(), logging.getLogger("uvicorn.error")]
     for logger in loggers:
         logger.addHandler(handler)

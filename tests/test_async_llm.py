@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -115,7 +115,9 @@ def test_leaving_the_loop_or_cancelling_frees_blocks(async_llm: AsyncLLM, monkey
     start = free_blocks(async_llm)
 
     async def leave_early() -> bool:
-        async with contextlib.aclosing(async_llm.generate(PROMPTS[0], greedy(80))) as stream:
+        # generate is an async generator (annotated as an AsyncIterator): it can be closed.
+        stream = cast("AsyncGenerator[RequestOutput, None]", async_llm.generate(PROMPTS[0], greedy(80)))
+        async with contextlib.aclosing(stream):
             async for _ in stream:
                 break
         return await wait_for_free_blocks(async_llm, start)
@@ -165,7 +167,8 @@ def test_a_request_id_in_use_is_refused(async_llm: AsyncLLM, monkeypatch: pytest
     slow_engine_steps(async_llm, monkeypatch)  # type: ignore[arg-type]
 
     async def run() -> None:
-        first = async_llm.generate(PROMPTS[0], greedy(40), request_id="same")
+        first = cast("AsyncGenerator[RequestOutput, None]",
+                     async_llm.generate(PROMPTS[0], greedy(40), request_id="same"))
         await first.__anext__()
         with pytest.raises(ValueError, match="already in use"):
             await collect(async_llm, PROMPTS[1], greedy(4), request_id="same")

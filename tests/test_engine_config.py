@@ -82,4 +82,4 @@ def test_llm_passes_every_option_through(tiny_model_dir: Path) -> None:
 ])
 def test_grammar_limits_are_checked(tiny_model_dir: Path, option: dict[str, float], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
-        LLM(str(tiny_model_dir), speculative_config=None, **option)  # type: ignore[arg-type]
+        LLM(str(tiny_model_dir), speculative_config=None, **option)

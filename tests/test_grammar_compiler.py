@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from specdec import LLM, SamplingParams
+from specdec import SamplingParams
 from specdec.async_engine import AsyncEngine
+from specdec.llm import LLM
 from specdec.sampling_params import StructuredOutputsParams as Constraint
 from specdec.structured_output import CompiledGrammar, GrammarCompiler, GrammarError, GrammarLimits
 
@@ -63,7 +64,12 @@ def test_size_limits_refuse_before_any_work(llm: LLM, constraint: Constraint, li
 def test_a_slow_compile_is_refused_naming_the_bound(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     grammars = compiler(llm, compile_s=0.05)
     build = grammars._build
-    monkeypatch.setattr(grammars, "_build", lambda params: (time.sleep(0.5), build(params))[1])
+
+    def slow_build(params: Constraint) -> CompiledGrammar:
+        time.sleep(0.5)
+        return build(params)
+
+    monkeypatch.setattr(grammars, "_build", slow_build)
     with pytest.raises(GrammarError, match="took longer than max_grammar_compile_s=0.05 s"):
         grammars.compile(Constraint(regex="slow"))
     with pytest.raises(GrammarError, match="max_grammar_compile_s"):

@@ -27,6 +27,15 @@ def llm(tiny_model_dir: Path) -> Iterator[LLM]:
     yield LLM(str(tiny_model_dir), max_model_len=64, kv_cache_memory=1 << 20)
 
 
+def test_the_package_exports_llm_and_async_llm() -> None:
+    """`from specdec import LLM` (the README's import) is the class the tests import from
+    specdec.llm: the package loads it only when asked."""
+    import specdec
+    from specdec.async_llm import AsyncLLM
+
+    assert specdec.LLM is LLM and specdec.AsyncLLM is AsyncLLM
+
+
 # ---- prompt forms ------------------------------------------------------------------------
 
 
@@ -51,14 +60,14 @@ def test_prompt_dicts_match_plain_prompts(llm: LLM) -> None:
 ])
 def test_bad_prompt_dicts_are_named_and_nothing_runs(llm: LLM, prompt: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        llm.generate([PROMPT, prompt], greedy(4))  # type: ignore[list-item]
+        llm.generate([PROMPT, prompt], greedy(4))  # type: ignore[arg-type]
     assert not llm.engine.has_unfinished_requests()
     assert_all_blocks_free(llm)
 
 
 def test_a_prompt_of_another_type_is_a_type_error(llm: LLM) -> None:
     with pytest.raises(TypeError, match=r"^prompts\[1\] must be a string, .*got float"):
-        llm.generate([PROMPT, 1.5], greedy(4))  # type: ignore[list-item]
+        llm.generate([PROMPT, 1.5], greedy(4))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("prompts, message", [

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from specdec import LLM, SamplingParams, model_registry
+from specdec import SamplingParams, model_registry
 from specdec.checksums import MODEL_MANIFEST, CorruptModelError
 from specdec.kernels.disk_cache import sha256_file
+from specdec.llm import LLM
 from tests.models.test_gguf_load import write_gguf
 
 
@@ -57,7 +58,7 @@ def test_pull_records_every_file_it_writes(pulled: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", [_flip_a_byte, _random_block, _truncate])
-def test_damaged_weights_are_a_clear_error(pulled: Path, damage) -> None:  # type: ignore[no-untyped-def]
+def test_damaged_weights_are_a_clear_error(pulled: Path, damage) -> None:
     damage(pulled / "model.safetensors")
     with pytest.raises(CorruptModelError, match=r"model\.safetensors is corrupt.*specdec models pull --force"):
         model_registry.resolve_model(model_registry.DEFAULT_MODEL)

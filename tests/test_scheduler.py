@@ -21,7 +21,8 @@ BLOCK = 4
 def make_scheduler(num_blocks: int = 64, budget: int = 64, spec: dict[str, Any] | None = None,
                    policy: SpeculationPolicy | None = None, max_num_seqs: int = 8) -> Scheduler:
     config = EngineConfig(max_model_len=256, max_num_batched_tokens=budget, block_size=BLOCK,
-                          max_num_seqs=max_num_seqs, speculative_config=spec)
+                          max_num_seqs=max_num_seqs,
+                          speculative_config=spec)  # type: ignore[arg-type]  # a dict, made a SpeculativeConfig
     return Scheduler(config, BlockManager(num_blocks, BLOCK, False), policy)
 
 

@@ -40,8 +40,8 @@ def _runtime_imports(tree: ast.AST) -> list[str]:
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
+            for branch in node.orelse:
+                visit(branch)
             return
         if isinstance(node, ast.Import):
             found.extend(alias.name for alias in node.names)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ def test_tree_nodes_are_the_ranked_guesses_after_their_own_path(vocab: torch.Ten
     req = request(0, max_nodes=len(choices))
     tree = trees(d, [req])[0]
     assert tree is not None
-    token = {(): req.token_ids[-1]}
+    token: dict[tuple[int, ...], int] = {(): req.token_ids[-1]}
     for c in sorted(choices, key=len):  # the drafter's node order: by depth, then priority
         token[c] = ranked(d, hidden_of(req), [token[c[:i]] for i in range(len(c))])[c[-1]]
     order = [()] + sorted(choices, key=len)
@@ -111,6 +112,7 @@ def test_sampled_chain_draws_from_the_distribution_it_reports(vocab: torch.Tenso
         draft = chains(d, [request(0, depth=1, params=params)])[0]
         assert draft.draft_probs is not None and draft.draft_probs.shape == (2, VOCAB)  # root row, then the draft
         counts[draft.token_ids[1]] += 1
+    assert draft.draft_probs is not None
     probs = draft.draft_probs[1]
     # Chi-square over the tokens with expected count >= 5 (a wrong or stale distribution
     # is off by far more).
@@ -155,7 +157,7 @@ def test_dynamic_tree_keeps_the_best_cumulative_guesses() -> None:
     assert len(depth1) < 5 and all(score[n] >= left_out for n in range(1, tree.num_nodes))
     alone = [trees(d, [request(s, depth=3, max_nodes=5)])[0] for s in range(2)]
     batched = trees(d, [request(0, depth=3, max_nodes=5), request(1, depth=3, max_nodes=5)])
-    assert [t.token_ids for t in batched] == [t.token_ids for t in alone]  # type: ignore[union-attr]
+    assert [t.token_ids for t in batched] == [t.token_ids for t in alone]
 
 
 def reference_dynamic_tree(d: RecurrentDrafter, req: DraftRequest) -> tuple[list[int], list[int]]:
@@ -218,12 +220,13 @@ def test_load_rejects_medusa_one_heads(tmp_path: Path) -> None:
 
 
 def test_draft_vocabulary_is_the_most_generated_tokens() -> None:
+    from specdec.drafters.train_medusa import FlatData
     from specdec.drafters.train_recurrent_heads import draft_vocab
 
-    class Data:
+    class Data:  # the one field draft_vocab reads
         token = torch.tensor([5, 5, 5, 2, 2, 9, 1, 1, 1, 1])
 
-    assert draft_vocab(Data(), 3, 12).tolist() == [1, 2, 5]
+    assert draft_vocab(cast(FlatData, Data()), 3, 12).tolist() == [1, 2, 5]
 
 
 def test_training_learns_a_deterministic_continuation() -> None:

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import LLM, SamplingParams
+from specdec import SamplingParams
+from specdec.llm import LLM
 from specdec.model_registry import DEFAULT_MODEL
 
 CHATS = [

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import LLM
 from specdec.config import EngineConfig, auto_dtype, checkpoint_dtype
 from specdec.cuda_graphs import CudaGraphs, GraphShape, choose_shape, graph_batch_sizes, graph_shapes, pad_inputs
 from specdec.gpu_memory import draft_model_bytes, kv_cache_blocks, measure_used_bytes, profile_step, step_lengths
+from specdec.llm import LLM
 from specdec.model_runner import KVCache, StepInputs
 from specdec.models.config import ModelConfig
 from tests.helpers import NGRAM, assert_all_blocks_free, greedy, random_prompts, token_ids
@@ -69,7 +69,7 @@ def test_cuda_config_resolves_auto_options(seen_gpu: None, tiny_model_dir: Path)
     assert config.kv_cache_memory == 0  # sized from gpu_memory_utilization
     config.validate()
     assert config.linear_backend == "fp32"  # F.linear: the packed backends are CPU kernels
-    assert EngineConfig(model=str(tiny_model_dir), dtype="fp16").dtype == torch.float16
+    assert EngineConfig(model=str(tiny_model_dir), dtype="fp16").dtype == torch.float16  # type: ignore[arg-type]
     assert EngineConfig(model=str(tiny_model_dir), kv_cache_memory=1 << 20).kv_cache_memory == 1 << 20
 
 
@@ -91,7 +91,7 @@ def test_cuda_options_that_cannot_work_are_refused(seen_gpu: None, options: dict
 
 
 def test_torch_attention_on_cuda_runs_eagerly(seen_gpu: None) -> None:
-    EngineConfig(dtype="float32", attention_backend="torch", enforce_eager=True).validate()
+    EngineConfig(dtype="float32", attention_backend="torch", enforce_eager=True).validate()  # type: ignore[arg-type]
 
 
 # ---- KV cache sizing ---------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def compiled_triton() -> None:
 
 def cuda_llm(model_dir: Path, **options: object) -> LLM:
     return LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=128, max_num_seqs=4,
-               kv_cache_memory=1 << 24, **options)  # type: ignore[arg-type]
+               kv_cache_memory=1 << 24, **options)
 
 
 @pytest.mark.cuda

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import LLM
 from specdec.executor import CppLayerLoop, Executor, PythonLayers
 from specdec.kernels import PagedKV, decoder_cpu
+from specdec.llm import LLM
 from specdec.model_runner import ModelRunner, StepInputs
 from tests.fixtures import make_checkpoint
 from tests.helpers import make_kv_caches, random_block_table

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from specdec import LLM, SamplingParams
+from specdec import SamplingParams
+from specdec.llm import LLM
 from specdec.sampling_params import StructuredOutputsParams
 from specdec.structured_output import Grammar, GrammarError
 from tests.helpers import NGRAM, assert_all_blocks_free, greedy, random_prompts

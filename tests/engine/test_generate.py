@@ -1,10 +1,13 @@
 """The engine's plain decoding: equals HF greedy, and batching changes nothing."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from specdec import LLM, SamplingParams
+from specdec import SamplingParams
+from specdec.llm import LLM
 from tests.helpers import assert_all_blocks_free, block_bytes, token_ids
 
 PROMPTS = [
@@ -17,7 +20,7 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -26,9 +29,10 @@ def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int
     return out[0, len(prompt_ids):].tolist()
 
 
-def test_plain_greedy_matches_transformers(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_plain_greedy_matches_transformers(tiny_model_dir: Path) -> None:
     llm = LLM(str(tiny_model_dir), max_model_len=256, linear_backend="fp32", speculative_config=None)
     tok = llm.get_tokenizer()
+    assert GREEDY.max_tokens is not None
     for prompt in PROMPTS[:3]:
         ids = tok.encode(prompt)
         ours = llm.generate([ids], GREEDY)[0].outputs[0].token_ids
@@ -37,7 +41,7 @@ def test_plain_greedy_matches_transformers(tiny_model_dir) -> None:  # type: ign
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_batched_equals_one_at_a_time(tiny_model_dir, prefix_caching: bool) -> None:  # type: ignore[no-untyped-def]
+def test_batched_equals_one_at_a_time(tiny_model_dir: Path, prefix_caching: bool) -> None:
     single = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
     expected = [token_ids(single.generate([p], GREEDY))[0] for p in PROMPTS]
     # A budget of 16 tokens forces chunked prefill; 12 blocks of 16 force preemption.
@@ -51,7 +55,7 @@ def test_batched_equals_one_at_a_time(tiny_model_dir, prefix_caching: bool) -> N
         assert_all_blocks_free(batched)
 
 
-def test_prefix_cache_hits(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_prefix_cache_hits(tiny_model_dir: Path) -> None:
     llm = LLM(str(tiny_model_dir), max_model_len=256, enable_prefix_caching=True)
     shared = PROMPTS[3]
     first = llm.generate([shared + " one"], GREEDY)[0]
@@ -63,7 +67,7 @@ def test_prefix_cache_hits(tiny_model_dir) -> None:  # type: ignore[no-untyped-d
     assert_all_blocks_free(llm)
 
 
-def test_results_in_input_order_with_n(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_results_in_input_order_with_n(tiny_model_dir: Path) -> None:
     llm = LLM(str(tiny_model_dir), max_model_len=256)
     params = SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=8, ignore_eos=True)
     outs = llm.generate(PROMPTS[:2], params)
@@ -74,7 +78,7 @@ def test_results_in_input_order_with_n(tiny_model_dir) -> None:  # type: ignore[
     assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
 
 
-def test_prompt_over_max_model_len_is_rejected(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_prompt_over_max_model_len_is_rejected(tiny_model_dir: Path) -> None:
     llm = LLM(str(tiny_model_dir), max_model_len=32)
     with pytest.raises(ValueError, match=r"has 40 tokens but max_model_len is 32"):
         llm.generate([[5] * 40], GREEDY)
@@ -87,7 +91,7 @@ def test_prompt_over_max_model_len_is_rejected(tiny_model_dir) -> None:  # type:
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 2
 
 
-def test_unknown_architecture_fails_clearly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_architecture_fails_clearly(tmp_path: Path) -> None:
     import json
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
@@ -95,14 +99,14 @@ def test_unknown_architecture_fails_clearly(tmp_path) -> None:  # type: ignore[n
         LLM(str(tmp_path))
 
 
-def test_each_token_costs_one_step(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_each_token_costs_one_step(tiny_model_dir: Path) -> None:
     """Prefill once, then one decode step per token: nothing is recomputed."""
     llm = LLM(str(tiny_model_dir), max_model_len=256)
     llm.generate([PROMPTS[1]], GREEDY)
     assert llm.get_metrics()["num_steps"] == GREEDY.max_tokens
 
 
-def test_outputs_report_first_token_latency(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_outputs_report_first_token_latency(tiny_model_dir: Path) -> None:
     import time
 
     llm = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
@@ -113,4 +117,6 @@ def test_outputs_report_first_token_latency(tiny_model_dir) -> None:  # type: ig
     assert all(0 < latency <= wall for latency in latencies)
     engine = llm.engine
     engine.add_request("queued", token_ids(out)[0][:4], SamplingParams(temperature=0.0, max_tokens=4))
-    assert "first_token_latency" not in engine.abort_request("queued").metrics  # no token yet: not reported
+    aborted = engine.abort_request("queued")
+    assert aborted is not None
+    assert "first_token_latency" not in aborted.metrics  # no token yet: not reported

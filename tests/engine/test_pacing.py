@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdec import LLM
+from specdec.llm import LLM
 from tests.helpers import NGRAM, assert_all_blocks_free, greedy, random_prompts, token_ids
 
 

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from specdec import LLM, SamplingParams
+from specdec import SamplingParams
+from specdec.llm import LLM
 from tests.helpers import NGRAM, assert_all_blocks_free, greedy, random_prompts, token_ids
 
 TRANSFORMS: list[dict[str, Any]] = [

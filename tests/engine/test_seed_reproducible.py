@@ -2,7 +2,10 @@
 and plain decoding give the same tokens (the verifier's draws are keyed by position)."""
 from __future__ import annotations
 
-from specdec import LLM, SamplingParams
+from pathlib import Path
+
+from specdec import SamplingParams
+from specdec.llm import LLM
 from tests.helpers import assert_all_blocks_free, random_prompts, token_ids
 
 CONFIGS: dict[str, dict | None] = {
@@ -12,7 +15,7 @@ CONFIGS: dict[str, dict | None] = {
 }
 
 
-def test_seeded_output_is_the_same_with_and_without_speculation(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_seeded_output_is_the_same_with_and_without_speculation(tiny_model_dir: Path) -> None:
     """The tiny model's sampled text is noise, so drafts come from repeats: the second pass
     of each engine meets the first pass's outputs (suffix decoding's cross-request cache
     drafts them whole). With the same seeds those drafts are the target's own picks and are
@@ -36,7 +39,7 @@ def test_seeded_output_is_the_same_with_and_without_speculation(tiny_model_dir) 
     assert outputs["plain"][7] != outputs["plain"][0]  # another seed, another text
 
 
-def test_seeded_output_is_reproducible_run_to_run(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_seeded_output_is_reproducible_run_to_run(tiny_model_dir: Path) -> None:
     """Same seed, same text, whether the request runs alone or with others; another seed differs."""
     llm = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=CONFIGS["ngram"])
     prompt = random_prompts(8, 1)[0]

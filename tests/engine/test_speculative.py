@@ -1,25 +1,28 @@
 """Speculative decoding through the whole engine: lossless, batched, rolled back, counted."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from specdec import LLM, SamplingParams
+from specdec import SamplingParams
+from specdec.llm import LLM
 from tests.helpers import NGRAM, assert_all_blocks_free, block_bytes, greedy, random_prompts, step_mixed, token_ids
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model_dir) -> LLM:  # type: ignore[no-untyped-def]
+def plain(tiny_model_dir: Path) -> LLM:
     return LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
 
 
-def spec_configs(tiny_model_dir, tiny_draft_dir) -> dict[str, dict]:  # type: ignore[no-untyped-def]
+def spec_configs(tiny_model_dir: Path, tiny_draft_dir: Path) -> dict[str, dict]:
     return {"ngram": NGRAM,
             "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_draft_dir)},
             "suffix": {"method": "suffix", "num_speculative_tokens": 4, "num_tree_nodes": 8, "suffix_min_prob": 0.0}}
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_greedy_speculation_is_lossless(plain, tiny_model_dir, tiny_draft_dir, method) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_speculation_is_lossless(plain: LLM, tiny_model_dir: Path, tiny_draft_dir: Path, method: str) -> None:
     spec = LLM(str(tiny_model_dir), max_model_len=256,
                speculative_config=spec_configs(tiny_model_dir, tiny_draft_dir)[method])
     for seed in range(6):
@@ -32,7 +35,8 @@ def test_greedy_speculation_is_lossless(plain, tiny_model_dir, tiny_draft_dir, m
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "suffix"])
-def test_mixed_batch_with_chunked_prefill_and_preemption(plain, tiny_model_dir, tiny_draft_dir, method) -> None:  # type: ignore[no-untyped-def]
+def test_mixed_batch_with_chunked_prefill_and_preemption(plain: LLM, tiny_model_dir: Path, tiny_draft_dir: Path,
+                                                         method: str) -> None:
     prompts = random_prompts(100, 6)
     expected = token_ids(plain.generate(prompts, greedy()))
     spec = LLM(str(tiny_model_dir), max_model_len=128, max_num_batched_tokens=24,
@@ -46,7 +50,7 @@ def test_mixed_batch_with_chunked_prefill_and_preemption(plain, tiny_model_dir, 
     assert getattr(engine.drafter, "contexts", {}) == {}  # a drafter with per-request state freed every request
 
 
-def test_draft_equal_to_target_accepts_everything(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_draft_equal_to_target_accepts_everything(tiny_model_dir: Path) -> None:
     k = 3
     spec = LLM(str(tiny_model_dir), max_model_len=256,
                speculative_config={"method": "draft_model", "num_speculative_tokens": k, "model": str(tiny_model_dir)})
@@ -61,7 +65,7 @@ def test_draft_equal_to_target_accepts_everything(tiny_model_dir) -> None:  # ty
     assert m["num_accepted_tokens_per_pos"] == [m["num_drafts"]] * k
 
 
-def test_lookahead_near_max_model_len(plain, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_lookahead_near_max_model_len(plain: LLM, tiny_model_dir: Path) -> None:
     spec = LLM(str(tiny_model_dir), max_model_len=64, speculative_config=NGRAM)
     limited = LLM(str(tiny_model_dir), max_model_len=64)
     prompt = ([7, 8, 9] * 21)[:61]
@@ -71,7 +75,7 @@ def test_lookahead_near_max_model_len(plain, tiny_model_dir) -> None:  # type: i
     assert_all_blocks_free(spec)
 
 
-def test_stops_inside_an_accepted_run(plain, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_stops_inside_an_accepted_run(plain: LLM, tiny_model_dir: Path) -> None:
     spec = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=NGRAM)
     prompts = random_prompts(11, 4)
     full = token_ids(plain.generate(prompts, greedy()))
@@ -89,7 +93,7 @@ def test_stops_inside_an_accepted_run(plain, tiny_model_dir) -> None:  # type: i
     assert_all_blocks_free(spec)
 
 
-def test_stop_string_inside_an_accepted_run(plain, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_stop_string_inside_an_accepted_run(plain: LLM, tiny_model_dir: Path) -> None:
     spec = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=NGRAM)
     for prompt in random_prompts(12, 4):
         ref = plain.generate([prompt], greedy())[0].outputs[0].text
@@ -100,7 +104,7 @@ def test_stop_string_inside_an_accepted_run(plain, tiny_model_dir) -> None:  # t
         assert out.text == ref[: ref.index(stop)] and out.finish_reason == "stop" and out.stop_reason == stop
 
 
-def test_bad_speculative_config_is_named(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_bad_speculative_config_is_named(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
         LLM(str(tiny_model_dir), speculative_config={"method": "ngram", "k": 3})
     with pytest.raises(ValueError, match="is not one of"):
@@ -111,7 +115,8 @@ def test_bad_speculative_config_is_named(tiny_model_dir) -> None:  # type: ignor
 
 @pytest.mark.parametrize("attention", ["cpp", "torch"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_tree"])
-def test_verify_reproduces_decode_bit_for_bit(tiny_model_dir, tiny_draft_dir, method, attention) -> None:  # type: ignore[no-untyped-def]
+def test_verify_reproduces_decode_bit_for_bit(tiny_model_dir: Path, tiny_draft_dir: Path, method: str,
+                                              attention: str) -> None:
     """With row-invariant linears (fp16) and attention, a verify row computes exactly what
     a decode step computes: the logprobs of every emitted token agree to the last bit."""
     plain = LLM(str(tiny_model_dir), max_model_len=256, linear_backend="cpp-fp16", attention_backend=attention,

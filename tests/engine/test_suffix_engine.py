@@ -2,11 +2,12 @@
 trees), and a repeated request drafted from the cross-request cache, unless sharing is off."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from specdec import LLM
+from specdec.llm import LLM
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
 
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
@@ -14,13 +15,13 @@ SUFFIX_TREE = {**SUFFIX, "num_tree_nodes": 8, "suffix_min_prob": 0.0}
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model_dir) -> LLM:  # type: ignore[no-untyped-def]
+def plain(tiny_model_dir: Path) -> LLM:
     return LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
 
 
 @pytest.mark.parametrize("config", [SUFFIX, SUFFIX_TREE, {**SUFFIX, "adaptive": True}],
                          ids=["chain", "tree", "adaptive"])
-def test_greedy_suffix_decoding_is_lossless(plain, tiny_model_dir, config: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_suffix_decoding_is_lossless(plain: LLM, tiny_model_dir: Path, config: dict[str, Any]) -> None:
     spec = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=config)
     for seed in range(4):
         prompts = random_prompts(seed, 4)
@@ -41,7 +42,7 @@ def accepted_and_drafted(llm: LLM, prompt: list[int]) -> tuple[list[int], int, i
 
 
 @pytest.mark.parametrize("cross_request", [True, False])
-def test_a_repeated_request_is_drafted_from_the_cache(plain, tiny_model_dir, cross_request: bool) -> None:  # type: ignore[no-untyped-def]
+def test_a_repeated_request_is_drafted_from_the_cache(plain: LLM, tiny_model_dir: Path, cross_request: bool) -> None:
     prompt = list(range(40, 90))  # no repeated n-gram: its own context offers nothing at first
     spec = LLM(str(tiny_model_dir), max_model_len=256,
                speculative_config={**SUFFIX, "suffix_cross_request": cross_request})

@@ -2,18 +2,23 @@
 and trees are lossless."""
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from specdec import LLM
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.recurrent_drafter import RecurrentDrafter
+from specdec.llm import LLM
 from tests.helpers import assert_all_blocks_free, block_bytes, greedy, random_prompts, token_ids
 
 
-def medusa(heads_dir, **extra: object) -> dict:  # type: ignore[no-untyped-def, type-arg]
+def medusa(heads_dir: Path, **extra: object) -> dict[str, Any]:
     """A method: medusa config for Medusa-1 or recurrent heads in heads_dir."""
     return {"method": "medusa", "num_speculative_tokens": 3, "model": str(heads_dir), **extra}
 
 
-def test_medusa_chain_and_tree_are_lossless(tiny_model_dir, tiny_medusa_dir) -> None:  # type: ignore[no-untyped-def]
+def test_medusa_chain_and_tree_are_lossless(tiny_model_dir: Path, tiny_medusa_dir: Path) -> None:
     plain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
     chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(tiny_medusa_dir))
     tree = LLM(str(tiny_model_dir), max_model_len=256,
@@ -31,7 +36,8 @@ def test_medusa_chain_and_tree_are_lossless(tiny_model_dir, tiny_medusa_dir) -> 
 
 
 @pytest.mark.parametrize("heads, seed", [("tiny_medusa_dir", 5), ("tiny_recurrent_dir", 6)])
-def test_chain_as_tree_equals_chain(tiny_model_dir, request, heads: str, seed: int) -> None:  # type: ignore[no-untyped-def]
+def test_chain_as_tree_equals_chain(tiny_model_dir: Path, request: pytest.FixtureRequest, heads: str,
+                                    seed: int) -> None:
     heads_dir = request.getfixturevalue(heads)
     chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(heads_dir))
     as_tree = LLM(str(tiny_model_dir), max_model_len=256,
@@ -44,7 +50,7 @@ def test_chain_as_tree_equals_chain(tiny_model_dir, request, heads: str, seed: i
         assert a[key] == b[key]
 
 
-def test_tree_with_chunked_prefill_and_preemption(tiny_model_dir, tiny_medusa_dir) -> None:  # type: ignore[no-untyped-def]
+def test_tree_with_chunked_prefill_and_preemption(tiny_model_dir: Path, tiny_medusa_dir: Path) -> None:
     plain = LLM(str(tiny_model_dir), max_model_len=128, speculative_config=None)
     prompts = random_prompts(21, 6)
     expected = token_ids(plain.generate(prompts, greedy()))
@@ -56,7 +62,7 @@ def test_tree_with_chunked_prefill_and_preemption(tiny_model_dir, tiny_medusa_di
     assert_all_blocks_free(tree)
 
 
-def test_draft_model_tree_is_lossless(tiny_model_dir, tiny_draft_dir) -> None:  # type: ignore[no-untyped-def]
+def test_draft_model_tree_is_lossless(tiny_model_dir: Path, tiny_draft_dir: Path) -> None:
     plain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
     tree = LLM(str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=64,
                speculative_config={"method": "draft_model", "model": str(tiny_draft_dir),
@@ -66,11 +72,12 @@ def test_draft_model_tree_is_lossless(tiny_model_dir, tiny_draft_dir) -> None:  
         assert token_ids(tree.generate(prompts, greedy())) == token_ids(plain.generate(prompts, greedy()))
     assert tree.get_metrics()["num_drafts"] > 0
     assert_all_blocks_free(tree)
+    assert isinstance(tree.engine.drafter, DraftModelDrafter)
     bm = tree.engine.drafter.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # the drafter's own pool is clean too
 
 
-def test_recurrent_heads_chain_and_tree_are_lossless(tiny_model_dir, tiny_recurrent_dir) -> None:  # type: ignore[no-untyped-def]
+def test_recurrent_heads_chain_and_tree_are_lossless(tiny_model_dir: Path, tiny_recurrent_dir: Path) -> None:
     plain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=None)
     chain = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=medusa(tiny_recurrent_dir))
     tree = LLM(str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=64,
@@ -85,13 +92,14 @@ def test_recurrent_heads_chain_and_tree_are_lossless(tiny_model_dir, tiny_recurr
         assert token_ids(chain.generate(prompts, greedy())) == expected
         assert token_ids(tree.generate(prompts, greedy())) == expected
         assert token_ids(dynamic.generate(prompts, greedy())) == expected
+    assert isinstance(dynamic.engine.drafter, RecurrentDrafter) and isinstance(tree.engine.drafter, RecurrentDrafter)
     assert dynamic.engine.drafter.dynamic and not tree.engine.drafter.dynamic
     for llm in (chain, tree, dynamic):
         assert llm.get_metrics()["num_accepted_tokens"] > 0
         assert_all_blocks_free(llm)
 
 
-def test_recurrent_heads_sample_and_free_every_block(tiny_model_dir, tiny_recurrent_dir) -> None:  # type: ignore[no-untyped-def]
+def test_recurrent_heads_sample_and_free_every_block(tiny_model_dir: Path, tiny_recurrent_dir: Path) -> None:
     from specdec import SamplingParams
 
     params = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=24, ignore_eos=True)

@@ -19,9 +19,10 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from specdec import LLM, cuda_graphs  # noqa: E402
+from specdec import cuda_graphs  # noqa: E402
 from specdec.cuda_graphs import CapturedStep, CudaGraphs  # noqa: E402
 from specdec.kernels.linear import Fp32Linear  # noqa: E402
+from specdec.llm import LLM  # noqa: E402
 from tests.helpers import NGRAM, assert_all_blocks_free, greedy, random_prompts, token_ids  # noqa: E402
 
 MAX_TOKENS = 6

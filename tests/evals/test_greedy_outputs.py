@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from specdec.evals import greedy_outputs
 
 
-def test_dump_then_compare(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_dump_then_compare(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(greedy_outputs, "ALL_CATEGORIES", ["qa"])
     first = tmp_path / "a.json"
     assert greedy_outputs.main(["dump", str(first), "--model", str(tiny_model_dir), "--max-tokens", "4",

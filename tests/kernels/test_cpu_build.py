@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec import LLM, SamplingParams
+from specdec import SamplingParams
 from specdec.kernels import cpu_build
+from specdec.llm import LLM
 
 STAND_IN = 'extern "C" int specdec_stand_in(int x) { return x + 1; }\n'
 ENGINE_KERNELS = ("paged_attention", "store_kv", "rms_norm")  # what the tiny checkpoint's engine loads

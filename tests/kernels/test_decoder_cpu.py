@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from specdec import LLM
 from specdec.executor import CppLayerLoop, Executor, PythonLayers, choose_executor
 from specdec.kernels import PagedKV, decoder_cpu
 from specdec.kernels.attention import make_attention_backend
@@ -19,6 +18,7 @@ from specdec.kernels.gguf_blocks import quantize
 from specdec.kernels.linear import Fp32Linear, get_linear_backend
 from specdec.kernels.linear_gguf import GgufLinear
 from specdec.kernels.quantized_tensor import QuantizedTensor
+from specdec.llm import LLM
 from specdec.models import LlamaForCausalLM, load_model
 from specdec.models.linear import install_linears, pack_linears
 from tests.fixtures import make_checkpoint

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from specdec import LLM
 from specdec.cli import main
+from specdec.llm import LLM
 from specdec.models import load_model, load_tokenizer
 from specdec.models.gguf_file import GGUFFileError, GGUFTruncatedError, check_gguf
 from specdec.models.gguf_loader import open_gguf

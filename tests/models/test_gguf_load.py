@@ -19,13 +19,15 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from safetensors.torch import load_file
 
-from specdec import LLM, SamplingParams
+from specdec import SamplingParams
 from specdec.config import EngineConfig
 from specdec.kernels.linear_gguf import GgufLinear
 from specdec.kernels.quantized_tensor import QuantizedTensor
+from specdec.llm import LLM
 from specdec.model_registry import DEFAULT_MODEL
 from specdec.models import ModelConfig, load_model, load_tokenizer
 from specdec.models.linear import PackedLinear
+from specdec.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specdec.models.loader import QUANTIZATIONS
 from tests.fixtures import CHATML
 from tests.kernels.test_linear_quant import K_QUANTS, random_k_quants
@@ -61,7 +63,8 @@ def _gguf_tensor(hf_name: str, tensor: torch.Tensor, config: dict[str, Any],
     if qtype == T.F32:
         return name, array, qtype
     if qtype.name.lower() in K_QUANTS:
-        blocks = random_k_quants(qtype.name.lower(), *array.shape, torch.Generator().manual_seed(len(name)))
+        rows, cols = array.shape
+        blocks = random_k_quants(qtype.name.lower(), rows, cols, torch.Generator().manual_seed(len(name)))
         return name, blocks.blocks.numpy(), qtype
     return name, quantize(array, qtype), qtype
 
@@ -101,6 +104,19 @@ def write_gguf(path: Path, model_dir: Path, arch: str = "llama", override: dict[
     return path
 
 
+def decoder_layer(model: LlamaForCausalLM, index: int) -> LlamaDecoderLayer:
+    """model.layers[index], typed (an nn.ModuleList holds plain Modules)."""
+    found = model.layers[index]
+    assert isinstance(found, LlamaDecoderLayer)
+    return found
+
+
+def blocks_of(weight: torch.Tensor) -> QuantizedTensor:
+    """A weight the test expects kept as GGUF blocks (typed as a Parameter)."""
+    assert isinstance(weight, QuantizedTensor)
+    return weight
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", tiny_model_dir)
@@ -134,10 +150,10 @@ def test_the_config_comes_from_the_metadata(tiny_gguf: Path, tiny_model_dir: Pat
 def test_dequantized_weights_equal_transformers_reading_of_the_file(tiny_gguf: Path, transformers_model: Any) -> None:
     model = load_model(tiny_gguf)
     hf = dict(transformers_model.named_parameters())
-    layer = model.layers[1]
+    second = decoder_layer(model, 1)
     fused = torch.cat([hf[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
-    assert torch.equal(layer.qkv_proj.weight, fused)  # q/k rows back in HF's order
-    assert torch.equal(layer.down_proj.weight, hf["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(second.qkv_proj.weight, fused)  # q/k rows back in HF's order
+    assert torch.equal(second.down_proj.weight, hf["model.layers.1.mlp.down_proj.weight"])
     assert torch.equal(model.embed_tokens, hf["model.embed_tokens.weight"])
 
 
@@ -145,8 +161,8 @@ def test_blocks_are_kept_without_a_float_copy(tiny_gguf: Path) -> None:
     model = load_model(tiny_gguf, quantization="gguf")
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert all(isinstance(m.weight, QuantizedTensor) and isinstance(m.backend, GgufLinear) for m in linears)
-    assert model.layers[0].qkv_proj.weight.qtypes == ("q4_1", "q8_0")  # q and k, then v
-    assert model.embed_tokens.qtypes == ("q8_0",) and model.lm_head.weight is model.embed_tokens
+    assert blocks_of(decoder_layer(model, 0).qkv_proj.weight).qtypes == ("q4_1", "q8_0")  # q and k, then v
+    assert blocks_of(model.embed_tokens).qtypes == ("q8_0",) and model.lm_head.weight is model.embed_tokens
     floats = sum(p.numel() for p in model.parameters() if not isinstance(p, QuantizedTensor))
     assert floats == (2 * model.config.num_layers + 1) * model.config.hidden_size  # the norms alone
 
@@ -220,7 +236,7 @@ def test_a_block_type_the_kernels_do_not_run_is_refused_by_name(tiny_model_dir: 
     path = write_gguf(tmp_path / "q5.gguf", tiny_model_dir, override={"blk.1.ffn_up.weight": T.Q5_0})
     with pytest.raises(ValueError, match="blk.1.ffn_up.weight has type Q5_0, which quantization 'gguf' does not run"):
         load_model(path, quantization="gguf")
-    assert load_model(path).layers[1].gate_up_proj.weight.dtype == torch.float32  # dequantized, it loads
+    assert decoder_layer(load_model(path), 1).gate_up_proj.weight.dtype == torch.float32  # dequantized, it loads
 
 
 def test_quantization_options_are_checked(tiny_gguf: Path, tiny_model_dir: Path) -> None:
@@ -253,9 +269,10 @@ def test_k_quants_run_on_their_exactly_repacked_blocks(tiny_model_dir: Path, tmp
                       config_changes={"hidden_size": 256, "intermediate_size": 512, "head_dim": 64,
                                       "num_hidden_layers": 1})
     blocks = load_model(path, quantization="gguf")
-    assert blocks.layers[0].qkv_proj.weight.qtypes == ("q4_k", "q5_k", "q6_k")
+    assert blocks_of(decoder_layer(blocks, 0).qkv_proj.weight).qtypes == ("q4_k", "q5_k", "q6_k")
     dense = load_model(path)
-    assert torch.equal(blocks.layers[0].qkv_proj.weight.dequantize(), dense.layers[0].qkv_proj.weight)
+    assert torch.equal(blocks_of(decoder_layer(blocks, 0).qkv_proj.weight).dequantize(),
+                       decoder_layer(dense, 0).qkv_proj.weight)
     ids = torch.randint(3, 384, (14,), generator=gen)
     torch.testing.assert_close(_logits(blocks, ids), _logits(dense, ids), atol=1e-4, rtol=1e-4)
 
@@ -268,7 +285,7 @@ def test_quantize_at_load_keeps_blocks_only_and_speculation_lossless(tiny_model_
     spec = LLM(str(tiny_model_dir), quantization=qtype, max_model_len=128, kv_cache_memory=KV_BYTES,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     model = plain.engine.model
-    assert all(m.weight.qtypes == (qtype,) for m in model.modules() if isinstance(m, PackedLinear))
+    assert all(blocks_of(m.weight).qtypes == (qtype,) for m in model.modules() if isinstance(m, PackedLinear))
     assert model.embed_tokens is model.lm_head.weight  # the tied table, quantized once
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy)] == \
         [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy)]
@@ -280,7 +297,7 @@ def test_quantize_at_load_is_close_to_the_float_model(tiny_model_dir: Path, tiny
     q8 = _logits(load_model(tiny_model_dir, quantization="q8_0"), ids)
     assert float((q8 - dense).norm() / dense.norm()) < 5e-2
     requantized = load_model(tiny_gguf, quantization="q4_0")  # a GGUF's floats put in other blocks
-    assert requantized.layers[0].qkv_proj.weight.qtypes == ("q4_0",)
+    assert blocks_of(decoder_layer(requantized, 0).qkv_proj.weight).qtypes == ("q4_0",)
 
 
 def test_the_exact_kernel_reads_q4_1_with_float_headers_and_int8_activations_without(tiny_gguf: Path) -> None:
@@ -288,7 +305,7 @@ def test_the_exact_kernel_reads_q4_1_with_float_headers_and_int8_activations_wit
     int8 activations: as the file stores it (fewer bytes, which that kernel prefers)."""
     for activations, q4_1_format in (("float32", 3), ("int8", 2)):
         model = load_model(tiny_gguf, quantization="gguf", quantized_activations=activations)
-        parts = model.layers[0].qkv_proj.weight.parts
+        parts = blocks_of(decoder_layer(model, 0).qkv_proj.weight).parts
         assert [(p.qtype, p.format_id) for p in parts] == [("q4_1", q4_1_format), ("q8_0", 0)]
 
 
@@ -313,12 +330,12 @@ def test_auto_quantization_runs_a_gguf_on_its_own_blocks_where_it_can(tiny_gguf:
     # A float linear backend, another dtype or a file with a block type the kernels do not
     # read: dequantized at load, as quantization "none".
     assert EngineConfig(model=str(tiny_gguf), linear_backend="cpp-fp16").quantization == "none"
-    assert EngineConfig(model=str(tiny_gguf), dtype="bfloat16").quantization == "none"
+    assert EngineConfig(model=str(tiny_gguf), dtype="bfloat16").quantization == "none"  # type: ignore[arg-type]
     q5 = write_gguf(tmp_path / "q5.gguf", tiny_model_dir, override={"blk.1.ffn_up.weight": T.Q5_0})
     assert EngineConfig(model=str(q5)).quantization == "none"
     assert EngineConfig(model=str(tmp_path / "missing.gguf")).quantization == "none"
     llm = LLM(str(tiny_gguf), speculative_config=None)
-    assert llm.engine.model.layers[0].qkv_proj.weight.qtypes  # blocks, not a float copy
+    assert blocks_of(decoder_layer(llm.engine.model, 0).qkv_proj.weight).qtypes  # blocks, not a float copy
 
 
 @pytest.mark.slow
@@ -331,7 +348,7 @@ def test_the_default_model_on_its_own_q4_1_blocks_matches_transformers() -> None
 
     llm = LLM(DEFAULT_MODEL, quantization="gguf", max_model_len=512, kv_cache_memory=1 << 26, kv_cache_dtype="fp32",
               speculative_config=None)
-    assert isinstance(llm.engine.model.layers[0].qkv_proj.weight, QuantizedTensor)
+    assert isinstance(decoder_layer(llm.engine.model, 0).qkv_proj.weight, QuantizedTensor)
     hf = AutoModelForCausalLM.from_pretrained(str(resolve_model(DEFAULT_MODEL)), dtype=torch.float32).eval()
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",
                  "Name three primary colors.", "How do plants make food?", "Say hello in Spanish.",

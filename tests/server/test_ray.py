@@ -13,12 +13,12 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.exceptions import ActorDiedError
 from ray.serve import Application
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, ReplicaState
 from starlette.types import Receive, Scope, Send
 
 from specdec.cli import build_parser, main
@@ -73,69 +73,78 @@ def _pending(request_id: str, body: Any = None) -> Any:
                            future=Future())
 
 
+# The router reads only a replica's `replica_id`, which it hashes and compares: strings stand
+# in for Serve's ReplicaIDs, and namespaces holding them for its RunningReplicas.
+A, B = cast(ReplicaID, "a"), cast(ReplicaID, "b")
+
+
+def _replicas() -> tuple[Any, Any]:
+    return SimpleNamespace(replica_id=A), SimpleNamespace(replica_id=B)
+
+
 def _choice(router: PrefixAffinityRouter, replicas: list[Any], body: Any = None) -> Any:
     """The replica ranked first, without routing anything (choose_replicas counts its request there)."""
     ranks = router.rank(replicas, prefix_keys(body))
-    assert sorted(r.replica_id for r in ranks) == sorted(r.replica_id for r in replicas)
+    assert sorted((r.replica_id for r in ranks), key=str) == sorted((r.replica_id for r in replicas), key=str)
     return ranks[0]
 
 
 def test_router_prefers_the_prefix_until_its_replica_is_busier() -> None:
     router = _router(threshold=1)
-    a, b = SimpleNamespace(replica_id="a"), SimpleNamespace(replica_id="b")
+    a, b = _replicas()
     body = {"prompt": PREFIX + "first"}
-    router.on_request_routed(_pending("1", body), "a", None)
+    router.on_request_routed(_pending("1", body), A, None)
     assert _choice(router, [b, a], {"prompt": PREFIX + "second"}) is a  # one more in flight: within 1
-    router.on_request_routed(_pending("2"), "a", None)
+    router.on_request_routed(_pending("2"), A, None)
     assert _choice(router, [a, b], {"prompt": PREFIX + "second"}) is b  # two more: the shortest queue wins
-    router.on_request_completed("a", "2")
-    router.on_request_completed("a", "1")
+    router.on_request_completed(A, "2")
+    router.on_request_completed(A, "1")
     assert _choice(router, [b, a], {"prompt": PREFIX + "second"}) is a
     assert _choice(router, [a, b], {"prompt": "a prompt nobody sent"}) is b  # b holds fewer prefixes
-    router.on_request_completed("a", "unknown")  # a request routed elsewhere (or twice) changes nothing
-    assert router.in_flight["a"] == 0
+    router.on_request_completed(A, "unknown")  # a request routed elsewhere (or twice) changes nothing
+    assert router.in_flight[A] == 0
 
 
 def test_a_burst_sharing_a_prefix_is_counted_as_each_request_is_chosen() -> None:
     threshold = 4
     router = _router(threshold)
-    a, b = SimpleNamespace(replica_id="a"), SimpleNamespace(replica_id="b")
-    router.on_request_routed(_pending("earlier", {"prompt": PREFIX + "earlier"}), "a", None)
-    router.on_request_completed("a", "earlier")  # a holds the prefix, nothing is in flight
+    a, b = _replicas()
+    router.on_request_routed(_pending("earlier", {"prompt": PREFIX + "earlier"}), A, None)
+    router.on_request_completed(A, "earlier")  # a holds the prefix, nothing is in flight
     burst = [_pending(f"burst-{i}", {"prompt": f"{PREFIX}Question {i}?"}) for i in range(8)]
 
-    async def choose(request: Any) -> str:
-        return str((await router.choose_replicas([a, b], request))[0][0].replica_id)
+    async def choose(request: Any) -> ReplicaID:
+        return (await router.choose_replicas([a, b], request))[0][0].replica_id
 
-    async def arrive_at_once() -> list[str]:  # Serve reports none routed before all are chosen
+    async def arrive_at_once() -> list[ReplicaID]:  # Serve reports none routed before all are chosen
         return list(await asyncio.gather(*(choose(request) for request in burst)))
 
     chosen = asyncio.run(arrive_at_once())
     for i, replica in enumerate(chosen):  # the rule, on what was really sent before each choice
         load = Counter(chosen[:i])
-        assert load[replica] <= min(load["a"], load["b"]) + threshold, chosen
+        assert load[replica] <= min(load[A], load[B]) + threshold, chosen
     # the sixth is the first the rule sends away; the prefix then follows it to b, its last choice
     assert chosen == ["a"] * 5 + ["b"] * 3
-    assert (router.in_flight["a"], router.in_flight["b"]) == (5, 3)
-    router.on_request_routed(burst[0], "b", None)  # Serve took the second rank: a was full
-    assert (router.in_flight["a"], router.in_flight["b"]) == (4, 4)
-    for request, replica in zip(burst, ["b", *chosen[1:]], strict=True):
+    assert (router.in_flight[A], router.in_flight[B]) == (5, 3)
+    router.on_request_routed(burst[0], B, None)  # Serve took the second rank: a was full
+    assert (router.in_flight[A], router.in_flight[B]) == (4, 4)
+    for request, replica in zip(burst, [B, *chosen[1:]], strict=True):
         router.on_request_completed(replica, request.metadata.internal_request_id)
     assert not router.in_flight and not router.routed and not router.unsent
 
 
 def test_requests_that_fail_or_are_cancelled_before_routing_are_released() -> None:
     router = _router(threshold=4)
-    a, b = SimpleNamespace(replica_id="a"), SimpleNamespace(replica_id="b")
+    a, b = _replicas()
     cancelled, rejected = _pending("cancelled"), _pending("rejected")
     assert asyncio.run(router.choose_replicas([a, b], cancelled))[0][0] is a
     assert asyncio.run(router.choose_replicas([a, b], rejected))[0][0] is b
     cancelled.future.cancel()  # the client left while the request waited for a replica
     assert asyncio.run(router.choose_replicas([a, b], rejected))[0][0] is a  # a retry: b's count moved to a
     assert dict(router.in_flight) == {"a": 1}
-    router.on_request_completed("b", "rejected")  # the first try's callback, late: the retry's count stays
+    router.on_request_completed(B, "rejected")  # the first try's callback, late: the retry's count stays
     assert dict(router.in_flight) == {"a": 1}
-    router.on_request_completed("a", "rejected")  # the retry failed on the replica
+    router.on_request_completed(A, "rejected")  # the retry failed on the replica
     assert not router.in_flight and not router.routed and not router.unsent
 
 
@@ -157,7 +166,7 @@ def _respond(call: Any, request: ForwardedRequest) -> tuple[int, bytes]:
     async def run() -> tuple[int, bytes]:
         response = await respond(call, request)
         if not hasattr(response, "body_iterator"):
-            return response.status_code, response.body
+            return response.status_code, bytes(response.body)
         return response.status_code, b"".join([chunk async for chunk in response.body_iterator])
 
     return asyncio.run(run())
@@ -225,7 +234,9 @@ def test_relay_streams_and_tells_the_app_when_the_client_goes() -> None:
             raise
 
     async def first_parts() -> list[Any]:
-        parts = relay(app, ForwardedRequest("GET", "/"), {}, ((b"x-test", b"1"),))
+        # relay is an async generator (annotated as an AsyncIterator): it can be closed.
+        parts = cast("AsyncGenerator[ResponseHead | bytes, None]",
+                     relay(app, ForwardedRequest("GET", "/"), {}, ((b"x-test", b"1"),)))
         got = [await anext(parts), await anext(parts)]
         await parts.aclose()
         return got
@@ -380,7 +391,7 @@ def _replica_actors() -> dict[str, str]:
 
 def _running_replicas() -> int:
     deployment = serve.status().applications[ray_launch.APP_NAME].deployments["EngineReplica"]
-    return int(deployment.replica_states.get("RUNNING", 0))
+    return int(deployment.replica_states.get(ReplicaState.RUNNING, 0))
 
 
 def test_a_killed_replica_is_replaced_while_the_other_serves(ray_app: RayApp) -> None:
@@ -425,7 +436,8 @@ def _descendants() -> set[int]:
             except OSError:
                 continue
             parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {os.getpid()}
+    found: set[int] = set()
+    frontier = {os.getpid()}
     while frontier:
         frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
         found |= frontier

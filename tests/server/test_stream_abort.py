@@ -4,8 +4,9 @@ The whole stream is tested in test_shutdown.py (a deadline) and test_ray.py (a r
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
+from specdec.async_engine import RequestStream
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.server.chat import ChatStreamer
 from specdec.server.completions import CompletionStreamer
@@ -27,7 +28,8 @@ def test_only_an_abort_gets_abort_chunks() -> None:
 
 
 def _streamer(kind: type[Any], prompts: int, n: int) -> Any:
-    job = Job("id-1", n, created=7, streams=[object()] * prompts)
+    # The streamers never read the streams: stand-ins, one per prompt.
+    job = Job("id-1", n, created=7, streams=cast("list[RequestStream]", [object()] * prompts))
     state = SimpleNamespace(model_name="tiny")
     return kind(state, job, True, 0) if kind is ChatStreamer else kind(state, job, False, False)
 

@@ -9,11 +9,12 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from pydantic import BaseModel, Field
 
 from tests.helpers import RunningServer, all_blocks_free
 
-MESSAGES = [{"role": "user", "content": "Give me a person as JSON."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Give me a person as JSON."}]
 
 
 class Person(BaseModel):
@@ -31,14 +32,14 @@ def oai(server: RunningServer) -> openai.OpenAI:
 
 
 def chat(server: RunningServer, speculative: bool, **fields: Any) -> Any:
-    return oai(server).chat.completions.create(model=server.model, messages=MESSAGES,  # type: ignore[arg-type]
+    return oai(server).chat.completions.create(model=server.model, messages=MESSAGES,
                                                temperature=0.0, max_tokens=80,
                                                extra_body={"speculative": speculative, **fields})
 
 
 @pytest.mark.parametrize("speculative", [True, False])
 def test_parse_with_a_pydantic_model_returns_a_valid_object(server: RunningServer, speculative: bool) -> None:
-    reply = oai(server).beta.chat.completions.parse(model=server.model, messages=MESSAGES,  # type: ignore[arg-type]
+    reply = oai(server).beta.chat.completions.parse(model=server.model, messages=MESSAGES,
                                                     response_format=Person, temperature=0.0, max_tokens=80,
                                                     extra_body={"speculative": speculative})
     person = reply.choices[0].message.parsed
@@ -85,7 +86,7 @@ def test_completions_take_the_constraints_too(server: RunningServer) -> None:
 
 def test_a_streamed_constrained_reply_joins_to_valid_json(server: RunningServer) -> None:
     stream = oai(server).chat.completions.create(
-        model=server.model, messages=MESSAGES, temperature=0.0, max_tokens=80, stream=True,  # type: ignore[arg-type]
+        model=server.model, messages=MESSAGES, temperature=0.0, max_tokens=80, stream=True,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     Person.model_validate_json(text)

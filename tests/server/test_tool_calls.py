@@ -42,9 +42,10 @@ class Add(BaseModel):
 
 
 ARGUMENTS: dict[str, type[BaseModel]] = {"get_weather": Weather, "add": Add}
-TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name} tool",
-                                           "parameters": {**model.model_json_schema(), "additionalProperties": False}}}
-         for name, model in ARGUMENTS.items()]
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": name, "description": f"{name} tool",
+                                      "parameters": {**model.model_json_schema(), "additionalProperties": False}}}
+    for name, model in ARGUMENTS.items()]
 ADD_ONLY = {"type": "function", "function": {"name": "add"}}
 
 
@@ -85,7 +86,8 @@ def assert_valid(calls: list[Any], names: set[str]) -> None:
 def collect_stream(server: RunningServer, **fields: Any) -> tuple[str | None, list[dict[str, str]], str | None]:
     """Content, calls and finish reason assembled from a stream the way OpenAI streams calls:
     a call's first delta has its id, type, name and arguments "", later ones fragments."""
-    content, calls, finish = None, [], None
+    content, finish = None, None
+    calls: list[dict[str, str]] = []
     for chunk in ask(server, stream=True, **fields):
         if not chunk.choices:
             continue

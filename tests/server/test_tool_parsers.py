@@ -11,7 +11,7 @@ from typing import Any
 import llguidance
 import llguidance.hf
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from specdec.cli import build_parser
 from specdec.server.hermes_tool_parser import HermesToolParser, call_schema, hermes_grammar
@@ -25,7 +25,8 @@ ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": true}}\n</tool_ca
 def streamed(text: str, sizes: list[int]) -> tuple[str, list[dict[str, Any]]]:
     """The content and the calls a client assembles from the parser's deltas when the text
     arrives in pieces of these sizes (then the last output, finished)."""
-    parser, content, calls = HermesToolParser(), "", []
+    parser, content = HermesToolParser(), ""
+    calls: list[dict[str, Any]] = []
     ends = [min(len(text), sum(sizes[:i + 1])) for i in range(len(sizes))]
     for end, finished in [*((e, False) for e in ends), (len(text), True)]:
         delta = parser.stream(text[:end], finished)
@@ -134,7 +135,9 @@ FUNCTIONS: dict[str, dict[str, Any] | None] = {"get_weather": WEATHER_PARAMS, "p
 
 @pytest.fixture(scope="module")
 def ll_tokenizer(tiny_model_dir: Path) -> Any:
-    return llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)  # the fixture's checkpoint has a fast tokenizer
+    return llguidance.hf.from_tokenizer(tokenizer)
 
 
 def accepts(ll_tokenizer: Any, grammar: str, text: str) -> bool:

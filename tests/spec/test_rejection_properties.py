@@ -287,7 +287,8 @@ def test_tree_seeded_one_hot_rows_emit_plain_decoding(case: Trees) -> None:
     for i, (result, tree, start) in enumerate(zip(out, one_hot, case.starts)):
         if not keyed(case.batch, i):
             continue
-        path, node = [], 0
+        path: list[int] = []
+        node = 0
         while True:  # plain decoding's token at each depth; follow the first child carrying it
             token = plain_token(case.batch, i, start + node, case.batch.positions[i] + len(path))
             child = next((c for c in tree.children(node) if tree.token_ids[c] == token), None)
