@@ -77,14 +77,15 @@ class Scheduler:
                              self.pacer.limit(others_decoding=any(r.is_decoding for r in self.running)))
         running, preempted = self._schedule_running(budget)
         admitted = [] if preempted else self._schedule_waiting(budget)
-        grants = self._grant(running, admitted)
+        grants = [self._reserve_drafts(request, num_new, drafts)
+                  for (request, num_new, _), drafts in zip(running, self._grant(running, admitted))]
         return [ScheduledRequest(request, num_new, drafts, min(limit.max_depth, drafts) if limit else 0)
                 for (request, num_new, limit), drafts in zip(running, grants)] + admitted
 
     def _schedule_running(self, budget: _StepBudget) -> tuple[list[tuple[Request, int, DraftLimit | None]], bool]:
         """Known tokens and draft limit per running request, oldest first, while the token
-        budget lasts; KV blocks are reserved for the known tokens and the most the request
-        may draft (what a smaller grant leaves unused is freed when its step commits)."""
+        budget lasts; KV blocks are reserved for the known tokens (a grant's draft slots
+        once the policy has granted them: most steps of open text draft nothing)."""
         planned: list[tuple[Request, int, DraftLimit | None]] = []
         preempted = False
         i = 0
@@ -95,7 +96,7 @@ class Scheduler:
                 i += 1
                 continue
             limit = self._draft_limit(request, budget.tokens)
-            if not self._reserve(request, num_new + (limit.num_draft_tokens if limit else 0)):
+            if not self._reserve(request, num_new):
                 preempted = True
                 continue  # the list shrank from the end; retry the same index
             planned.append((request, num_new, limit))
@@ -112,6 +113,15 @@ class Scheduler:
                         + sum(i.completes_prompt for i in admitted))
         grants = iter(self.policy.grant(limits, base_tokens, base_commits) if limits else [])
         return [next(grants) if limit is not None else 0 for _, _, limit in running]
+
+    def _reserve_drafts(self, request: Request, num_new: int, drafts: int) -> int:
+        """The granted draft tokens, with KV slots reserved for them beside the step's known
+        tokens; 0 where the pool has no room (a draft never preempts a request; what a
+        verify leaves unused is freed when its step commits)."""
+        if drafts == 0 or not self.block_manager.can_allocate(request, num_new + drafts):
+            return 0
+        self.block_manager.allocate(request, num_new + drafts)
+        return drafts
 
     def _draft_limit(self, request: Request, budget: int) -> DraftLimit | None:
         if self.spec is None or not (request.is_decoding and request.use_speculation):

@@ -54,6 +54,10 @@ GLOBAL_DISCOUNT = 0.98
 CORRECTION_RATE = 0.1  # how fast measured drafting times move the estimate
 FIT_DISCOUNT = 0.97  # per step: the cost line follows about the last 30 steps
 FIT_MAX_TOKENS = 128  # steps with more query tokens are not fitted
+# The line is refitted every few observed steps, not every one: it follows about the last
+# 30 steps anyway, and the refit (with the prior rescaled) costs as much as a step's other
+# speculation bookkeeping.
+LINE_REFRESH = 4
 PRIOR_WEIGHT = 0.005  # the calibration points weigh at most 1/200 of a measured 1-token step together
 # A scored node's chance counts 10% less when choosing how many to verify: the cost line
 # holds only the forward, not a drafted step's verify and bookkeeping, and a wrong "yes"
@@ -61,6 +65,12 @@ PRIOR_WEIGHT = 0.005  # the calibration points weigh at most 1/200 of a measured
 # drafted twice as often for no more speed).
 NODE_MARGIN = 0.1
 OPTION_MARGIN = 0.05  # a draft option (running heads) must promise 5% more tokens per second
+# Scored drafting looks up every step while its drafts are verified; after LOOKUP_PATIENCE
+# steps in a row that verified nothing of a request (open text: its lookups cost ~5% of a
+# step and find nothing worth a row), only every LOOKUP_EVERY-th step, so a copy that
+# begins later is found within a few tokens.
+LOOKUP_PATIENCE = 1
+LOOKUP_EVERY = 4
 
 
 class CostModel:
@@ -82,7 +92,8 @@ class CostModel:
                                  discount=1.0)
         self.calibration_line = self.calibration.line(LineFit())
         self.fit = LineFit()
-        self._line: tuple[float, float] | None = None  # line() until the next observed forward
+        self._line: tuple[float, float] | None = None  # line(), refitted every LINE_REFRESH observed forwards
+        self._unfitted = 0  # forwards observed since the line was fitted
         self.draft_seconds_per_depth = 0.0
 
     def forward_time(self, num_tokens: float) -> float:
@@ -102,7 +113,9 @@ class CostModel:
         """A decode/verify step's time (steps over more than FIT_MAX_TOKENS are ignored)."""
         if num_tokens <= FIT_MAX_TOKENS:
             self.fit.add(num_tokens, seconds, weight=self._relative(seconds))
-            self._line = None
+            self._unfitted += 1
+            if self._unfitted >= LINE_REFRESH:
+                self._line, self._unfitted = None, 0
 
     def observe_draft(self, depth: int, seconds: float) -> None:
         # Averaged from zero, so that one slow first call (an n-gram index being built, a
@@ -290,8 +303,9 @@ class AdaptiveSpeculation(CostLearning):
         if not limits:
             return []
         if self.scored:  # sized by `select`; none at all where not even a sure guess pays
-            pays = self._sure_guess_pays(len(limits))
-            return [limit.num_draft_tokens if pays else 0 for limit in limits]
+            if not self._sure_guess_pays(len(limits)):
+                return [0] * len(limits)
+            return [limit.num_draft_tokens if self._looks_up(limit.request.request_id) else 0 for limit in limits]
         chosen = self._choose(self._increments(limits), base_tokens, float(base_commits))
         probe_every = PROBE_EVERY * len(limits)
         return [self._probe_or(limit, chosen.get(i, 0), probe_every) for i, limit in enumerate(limits)]
@@ -362,6 +376,13 @@ class AdaptiveSpeculation(CostLearning):
             if rate > best_rate:
                 best, best_rate = m, rate
         return order[:best]
+
+    def _looks_up(self, request_id: str) -> bool:
+        """Whether a scored drafter drafts for the request this step (see LOOKUP_PATIENCE);
+        a verified draft resets the count (`observe_verify`)."""
+        counts = self.stats.get(request_id)
+        counts.idle_steps += 1
+        return counts.idle_steps <= LOOKUP_PATIENCE or counts.idle_steps % LOOKUP_EVERY == 0
 
     def _sure_guess_pays(self, num_requests: int) -> bool:
         """Whether a guess the target surely takes is worth its verify row in a step of
