@@ -21,10 +21,15 @@ from specdec.llm import LLM
 from specdec.model_registry import DEFAULT_MODEL
 from specdec.sampling_params import SamplingParams
 
+# Every prompt file: the latency categories and the conversation ones.
+CATEGORIES = (*ALL_CATEGORIES, "edit_loop", "template_extraction", "tool_call")
+
 WEIGHTS = Path(__file__).resolve().parents[1] / "drafters" / "weights"
-CONFIGS: dict[str, dict[str, Any] | None] = {
+CONFIGS: dict[str, dict[str, Any] | str | None] = {
     "plain": None,
+    "default": "auto",  # the engine's default speculation (adaptive hybrid drafting with the shipped heads)
     "ngram": {"method": "ngram", "num_speculative_tokens": 5},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8, "num_tree_nodes": 8},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 4, "model": str(WEIGHTS / "smollm2-135m-draft")},
     "draft_tree": {"method": "draft_model", "num_speculative_tokens": 4, "num_tree_nodes": 6,
                    "model": str(WEIGHTS / "smollm2-135m-draft")},
@@ -36,7 +41,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
 
 
 def dump(path: Path, model: str, max_tokens: int, configs: list[str]) -> None:
-    prompts = [(c, p) for c in ALL_CATEGORIES for p in load_prompts(c, 1000)]
+    prompts = [(c, p) for c in CATEGORIES for p in load_prompts(c, 1000)]
     outputs: dict[str, list[list[int]]] = {}
     for name in configs:
         start = time.perf_counter()

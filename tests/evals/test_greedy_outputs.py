@@ -11,7 +11,7 @@ from specdec.evals import greedy_outputs
 
 
 def test_dump_then_compare(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(greedy_outputs, "ALL_CATEGORIES", ["qa"])
+    monkeypatch.setattr(greedy_outputs, "CATEGORIES", ["qa"])
     first = tmp_path / "a.json"
     assert greedy_outputs.main(["dump", str(first), "--model", str(tiny_model_dir), "--max-tokens", "4",
                                 "--configs", "plain,ngram"]) == 0
