@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from specdec.llm import LLM
-from specdec.spec.adaptive import PROBE_EVERY, AdaptiveSpeculation, CostModel
+from specdec.spec.adaptive import LOOKUP_EVERY, LOOKUP_PATIENCE, PROBE_EVERY, AdaptiveSpeculation, CostModel
 from specdec.spec.policy import DraftLimit, DraftOption, FixedSpeculation, SpeculationPolicy, StepReport
 from specdec.spec.tree import DraftTree
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
@@ -214,3 +214,12 @@ def test_adaptive_hybrid_drafting_is_cut_by_the_policy(tiny_model_dir: Any) -> N
                speculative_config={"method": "hybrid", "num_speculative_tokens": 4, "adaptive": True})
     policy = spec.engine.policy
     assert isinstance(policy, AdaptiveSpeculation) and policy.scored
+
+
+def test_scored_lookups_thin_out_where_nothing_is_verified_and_resume_at_once() -> None:
+    cheap_rows = CostModel([1, 2, 4, 8, 16], [0.010, 0.014, 0.022, 0.038, 0.070])
+    policy = AdaptiveSpeculation(cheap_rows, whole_drafts=True, scored=True)
+    looked = [grant(policy, [limit("r", 4)])[0] > 0 for _ in range(10)]
+    assert looked == [True] * LOOKUP_PATIENCE + [i % LOOKUP_EVERY == 0 for i in range(LOOKUP_PATIENCE + 1, 11)]
+    policy.observe_verify("r", 2, 1, 2)  # a draft was verified: every step again
+    assert all(grant(policy, [limit("r", 4)])[0] > 0 for _ in range(LOOKUP_PATIENCE))
