@@ -40,7 +40,7 @@ from specdec.spec.adaptive import LineFit
 from specdec.spec.policy import DraftOption
 from specdec.spec.tree import DraftTree, ScoredDraft, merge_drafts
 
-SUFFIX, HEADS = 0, 1
+HEADS = 1  # the heads' guesses in an offer's paths (the suffix's are first)
 DISCOUNT = 0.98  # per verify: the calibrations follow about the last 50
 REQUEST_DISCOUNT = 0.8
 # The heads' trees stay small: each depth costs a heads step and an LM-head product per

@@ -266,20 +266,6 @@ class _Increment:
     drafts: int  # the request's draft tokens once it is taken
 
 
-class CostLearning(SpeculationPolicy):
-    """A policy that learns the target's forward cost from the steps it sees."""
-
-    def __init__(self, cost: CostModel) -> None:
-        self.cost = cost
-
-    def observe_step(self, report: StepReport) -> None:
-        # Only decode and verify steps: a prefill token costs differently from a draft row,
-        # and the line is what one more draft row costs.
-        if report.decode_only:
-            self.cost.observe_forward(report.num_query_tokens, report.forward_seconds)
-        self.cost.observe_draft(report.max_draft_depth, report.draft_seconds)
-
-
 @dataclass(frozen=True)
 class _Cut:
     """The scored nodes a step verifies: those of at least min_chance, worth `commits`
@@ -290,9 +276,9 @@ class _Cut:
     rows: int
 
 
-class AdaptiveSpeculation(CostLearning):
+class AdaptiveSpeculation(SpeculationPolicy):
     def __init__(self, cost: CostModel, whole_drafts: bool, scored: bool = False) -> None:
-        super().__init__(cost)
+        self.cost = cost  # the target's forward cost, learnt from the steps it sees
         # The drafter branches (trees): a draft is worth its measured mean accepted
         # length only whole, so it is granted all or nothing.
         self.whole_drafts = whole_drafts
@@ -409,6 +395,13 @@ class AdaptiveSpeculation(CostLearning):
             if rate > best_rate:
                 best_k, best_rate, best_commits = k, rate, commits
         return _Cut(chances[best_k - 1] if best_k else math.inf, best_commits, base_rows + best_k)
+
+    def observe_step(self, report: StepReport) -> None:
+        # Only decode and verify steps: a prefill token costs differently from a draft row,
+        # and the line is what one more draft row costs.
+        if report.decode_only:
+            self.cost.observe_forward(report.num_query_tokens, report.forward_seconds)
+        self.cost.observe_draft(report.max_draft_depth, report.draft_seconds)
 
     def observe_verify(self, request_id: str, num_drafted: int, num_accepted: int, num_nodes: int) -> None:
         self.stats.observe(request_id, num_drafted, num_accepted, num_nodes)
