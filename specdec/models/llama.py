@@ -23,6 +23,7 @@ out of the way even when a caller forgets torch.inference_mode().
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -259,13 +260,20 @@ class LlamaForCausalLM(nn.Module):
         positions: Tensor,  # [T] int64, RoPE positions (tree nodes: prefix_len + depth)
         kv_caches: list[PagedKV],  # one per layer
         meta: AttentionMetadata,
+        # (layer ids, out [T, len(ids) * hidden]): the residual stream entering each of those
+        # layers is copied into its column block of out (EAGLE-3's target features)
+        capture: tuple[Sequence[int], Tensor] | None = None,
     ) -> Tensor:  # [T, hidden], after the final norm
         attention = self.attention_backend
         plan = attention.plan(meta, kv_caches[0])  # once per step, for every layer
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos = F.embedding(positions, self.rope_cos).unsqueeze(1)  # [T, 1, D]
         sin = F.embedding(positions, self.rope_sin).unsqueeze(1)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if capture is not None and index in capture[0]:
+                width = hidden.shape[1]
+                column = list(capture[0]).index(index) * width
+                capture[1][:, column : column + width].copy_(hidden)
             hidden = layer(hidden, cos, sin, kv_cache, attention, plan)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
