@@ -24,17 +24,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _has_cuda = torch.cuda.is_available
+# CUDA_VISIBLE_DEVICES as the session found it: the fixtures below must leave it so, or the
+# `cuda` tests would see no device (tests/test_conftest.py checks).
+VISIBLE_AT_START = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 @pytest.fixture(autouse=True, scope="session")
 def cpu_engine() -> Iterator[None]:
     """The tests are about the CPU engine unless marked `cuda`: on a GPU host
     `device="auto"` would otherwise pick CUDA, where the CPU-only options they use are
-    refused. Session-wide, so module fixtures' engines see it too; the variable covers the
-    servers started in subprocesses."""
+    refused. Session-wide, so module fixtures' engines see it too. Only torch's answer is
+    patched, never CUDA_VISIBLE_DEVICES: hiding the GPU from the process would hide it from
+    the `cuda` tests as well. Servers started in subprocesses are told `--device cpu`
+    instead (tests/helpers.py: CPU_DEVICE)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "is_available", lambda: False)
-        patch.setenv("CUDA_VISIBLE_DEVICES", "")
         yield
 
 

@@ -272,12 +272,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_serve_process(model_dir: Path, log: Path, *flags: str, timeout: float = 90.0) -> ServeProcess:
-    """`specdec serve MODEL_DIR --served-model-name tiny *flags`, healthy, or an AssertionError
-    carrying its output."""
+# A `specdec serve` child of a CPU test runs on the CPU whatever GPU the machine has: the
+# test process only patches torch.cuda.is_available (tests/conftest.py), which a child
+# does not inherit.
+CPU_DEVICE = ("--device", "cpu")
+
+
+def start_serve_process(model_dir: Path, log: Path, *flags: str, timeout: float = 90.0,
+                        device: str = "cpu") -> ServeProcess:
+    """`specdec serve MODEL_DIR --served-model-name tiny --device DEVICE *flags`, healthy, or
+    an AssertionError carrying its output."""
     port = free_port()
     command = [sys.executable, "-m", "specdec.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port",
-               str(port), "--served-model-name", "tiny", *flags]
+               str(port), "--served-model-name", "tiny", "--device", device, *flags]
     with log.open("wb") as sink:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import RunningServer, all_blocks_free, slow_engine_steps, sse_events, wait_until
+from tests.helpers import CPU_DEVICE, RunningServer, all_blocks_free, slow_engine_steps, sse_events, wait_until
 
 MAX_TOKENS = 100
 LONG: dict[str, Any] = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": MAX_TOKENS, "ignore_eos": True,
@@ -178,7 +178,7 @@ def test_cli_serve_drains_on_sigterm(tiny_model_dir: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "specdec.cli", "serve", str(tiny_model_dir), "--port", str(port),
                "--max-model-len", "128", "--kv-cache-memory", str(64 * 8192), "--served-model-name", "cli",
-               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', *CPU_DEVICE]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECDEC_DRAIN_TIMEOUT": "20"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:

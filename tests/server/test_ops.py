@@ -23,6 +23,7 @@ from specdec.server.streaming import KEEP_ALIVE, with_keep_alive
 from specdec.version import specdec_version
 from specdec.warmup import warm_up, warm_up_prompt
 from tests.helpers import (
+    CPU_DEVICE,
     NGRAM,
     RunningServer,
     ServeProcess,
@@ -283,7 +284,7 @@ def test_cli_opens_its_port_after_warm_up(tiny_model_dir: Path, tmp_path: Path) 
     port = free_port()
     command = [sys.executable, "-m", "specdec.cli", "serve", str(tiny_model_dir), "--port", str(port),
                "--served-model-name", "tiny", "--max-model-len", "128", "--kv-cache-memory", str(64 * 8192),
-               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', *CPU_DEVICE]
     log = tmp_path / "serve.log"
     with log.open("wb") as sink:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,

@@ -303,6 +303,7 @@ def ray_app(tiny_model_dir: Path) -> Iterator[RayApp]:
     args = build_parser().parse_args([
         "serve", str(tiny_model_dir), "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(free_port()),
         "--data-parallel-size", "2", "--max-model-len", "512", "--enable-prefix-caching", "--stats-interval", "0",
+        "--device", "cpu",  # replicas are other processes: the test's CPU patch does not reach them
     ])
     try:
         yield RayApp(ray_launch.deploy(args, None), args)
