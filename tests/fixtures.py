@@ -91,3 +91,33 @@ def make_recurrent_heads(path: Path, model_dir: Path, num_heads: int = 3, seed: 
     vocab = torch.arange(0, config["vocab_size"], 2)
     recurrent_heads.save(model, path, {"tree_choices": tree_choices or []}, vocab)
     return path
+
+
+def make_eagle3_head(path: Path, model_dir: Path, seed: int = 0, draft_vocab_size: int | None = None,
+                     aux_layer_ids: tuple[int, ...] | None = (0, 1, 1), own_embedding: bool = False,
+                     layer_prefix: str = "midlayer.") -> Path:
+    """A random EAGLE-3 head for a tiny checkpoint in the published layout (config.json +
+    model.safetensors, fp32): drafting from every other token of the vocabulary unless
+    `draft_vocab_size` says otherwise; `layer_prefix="layers.0."` writes the other naming."""
+    from safetensors.torch import load_file, save_file
+
+    from specdec.drafters import eagle3_head
+    from specdec.models.config import ModelConfig
+
+    target = ModelConfig.from_dir(model_dir)
+    vocab = torch.arange(0, target.vocab_size, 2) if draft_vocab_size is None else torch.arange(draft_vocab_size)
+    raw = eagle3_head.config_dict(target, len(vocab), aux_layer_ids)
+    with torch.random.fork_rng():  # seeded, without touching the caller's RNG
+        torch.manual_seed(seed)
+        head = eagle3_head.Eagle3Head(eagle3_head.Eagle3Config.from_dict(raw), own_embedding=own_embedding)
+        for name, param in head.named_parameters():
+            torch.nn.init.normal_(param, mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.2)
+    head.d2t.copy_(vocab - torch.arange(len(vocab)))
+    head.t2d.zero_()
+    head.t2d[vocab] = True
+    eagle3_head.save_eagle3_head(head, path, dtype=torch.float32)
+    if layer_prefix != "midlayer.":
+        file = path / eagle3_head.WEIGHTS
+        tensors = {name.replace("midlayer.", layer_prefix): t for name, t in load_file(str(file)).items()}
+        save_file(tensors, str(file))
+    return path
