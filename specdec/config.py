@@ -152,9 +152,9 @@ class EngineConfig:
                                         "model directory, or a .gguf file")
     speculative_config: SpeculativeConfig | None = _option(
         "auto", 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'; '
-                "none: plain decoding; auto: on the CPU, adaptive hybrid drafting (suffix decoding, plus the "
-                "shipped recurrent heads for the default model), which falls back to plain decoding wherever "
-                "drafting does not pay; on CUDA, none")
+                "none: plain decoding; auto (on the CPU and on CUDA): adaptive hybrid drafting (suffix decoding, "
+                "plus the shipped recurrent heads for the default model), which falls back to plain decoding "
+                "wherever drafting does not pay")
     max_model_len: int = _option(4096, "most tokens (prompt and output) of one request; capped by the model's "
                                        "max_position_embeddings")
     max_num_batched_tokens: int = _option(2048, "most tokens one engine step runs (prefill chunks, decode and "
@@ -283,9 +283,6 @@ class EngineConfig:
         if graphs and self.attention_backend not in ("auto", "triton"):
             raise ValueError(f"CUDA graphs are captured on the triton attention kernels: attention_backend "
                              f"{self.attention_backend!r} on CUDA needs enforce_eager=True")
-        if self.torch_device.type == "cuda" and self.speculative_config and self.speculative_config.adaptive:
-            raise ValueError("speculative_config adaptive times forwards on the host's clock, which does not wait "
-                             "for the GPU: it runs on the CPU only")
         if self.linear_backend != "fp32" and self.dtype != torch.float32:
             raise ValueError(f"linear_backend {self.linear_backend!r} needs dtype float32 "
                              f"(activations stay fp32), got {self.dtype}")
@@ -382,14 +379,12 @@ def _as_speculative_config(value: SpeculativeConfig | dict[str, Any] | str | Non
 
 
 def default_speculative_config(model: str, device: torch.device) -> SpeculativeConfig | None:
-    """Speculation when the user names none: adaptive hybrid drafting on the CPU, which
-    measures its costs and falls to plain decoding where drafting does not pay.
+    """Speculation when the user names none: adaptive hybrid drafting, on the CPU and on
+    CUDA alike, which measures its costs (on CUDA with CUDA events, specdec/spec/step_timer.py)
+    and falls to plain decoding where drafting does not pay.
 
     The shipped recurrent heads join suffix decoding for the default model only (heads are
-    trained for one target). On CUDA: none, since adaptive speculation times steps on the
-    host's clock (see EngineConfig.validate)."""
-    if device.type == "cuda":
-        return None
+    trained for one target); they load in the model's dtype on its device."""
     config = SpeculativeConfig(method="hybrid", num_speculative_tokens=DEFAULT_DRAFT_DEPTH,
                                num_tree_nodes=DEFAULT_TREE_NODES, adaptive=True,
                                model=DEFAULT_HEADS if model == DEFAULT_MODEL else None)

@@ -29,6 +29,7 @@ from specdec.scheduler import ScheduledRequest, Scheduler
 from specdec.spec.adaptive import AdaptiveSpeculation, Stopwatch, calibrate
 from specdec.spec.forced import forced_draft
 from specdec.spec.policy import FixedSpeculation, SpeculationPolicy, StepReport
+from specdec.spec.step_timer import step_timer
 from specdec.spec.tree import DraftTree
 from specdec.spec.verify import Verified, verify
 from specdec.structured_output import CompiledGrammar, Grammar, GrammarCompiler, GrammarLimits
@@ -62,6 +63,7 @@ class LLMEngine:
         self.drafter: Drafter | None = build_drafter(self._drafter_context()) if spec else None
         self.policy: SpeculationPolicy = (_build_adaptive(self, self.drafter) if spec and spec.adaptive
                                           else FixedSpeculation())
+        self.step_timer = step_timer(self.device)  # the policy's step times (CUDA events on a GPU)
         self.pacer = PrefillPacer.from_config(config)
         self.scheduler = Scheduler(config, self.block_manager, self.policy, self.pacer)
         self.metrics = EngineMetrics(self.num_speculative_tokens)
@@ -189,6 +191,7 @@ class LLMEngine:
         if not batch:
             return []
         watch = Stopwatch()
+        self.step_timer.start()
         trees, faults = self._propose(batch)
         failed = self._fail_each(batch, faults)
         if faults:
@@ -196,10 +199,12 @@ class LLMEngine:
             if not batch:
                 return failed
         draft_seconds = watch.lap()
+        self.step_timer.drafted()
         try:
             output = self.runner.execute(batch, trees)
             forward_seconds = watch.lap()
-            self.policy.observe_step(_step_report(batch, trees, draft_seconds, forward_seconds))
+            for report in self.step_timer.finish(_step_report(batch, trees, draft_seconds, forward_seconds)):
+                self.policy.observe_step(report)
             self.pacer.observe(sum(item.num_new_tokens for item in batch if item.num_new_tokens > 1), forward_seconds)
             verified = verify(batch, trees, output)
         except Exception:

@@ -35,12 +35,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.kernels.metadata import AttentionMetadata
+from specdec.kernels.kv_cache import PagedKV
+from specdec.model_runner import StepInputs
 from specdec.spec.policy import DraftLimit, DraftOption, SpeculationPolicy, StepReport
+from specdec.spec.step_timer import measure_seconds
 from specdec.spec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -433,37 +436,28 @@ class Stopwatch:
 
 
 @torch.inference_mode()
-def calibrate(executor: Executor, kv_layers: list[Any], block_size: int,
+def calibrate(executor: Executor, kv_layers: list[PagedKV], block_size: int,
               context: int = 64, repeats: int = 3) -> CostModel:
-    """Time target forwards of one request over T query tokens after `context` cached ones
-    (kv_layers: the model's per-layer paged caches), run by the engine's executor.
+    """The verify-cost table: the seconds of a step of one request over T query tokens
+    after `context` cached ones (kv_layers: the model's per-layer paged caches), run as the
+    engine runs its steps (`Executor.run`: on CUDA a captured graph where one holds the
+    step), timed on the device's clock (CUDA events there, see step_timer.measure_seconds).
 
     Writes KV into the first blocks of the pool: call it before any request is admitted.
     """
+    device = kv_layers[0].k.device
     seconds = []
     for size in CALIBRATION_SIZES:
-        meta, ids, positions = _synthetic_batch(size, context, block_size)
-        times = []
-        for _ in range(repeats):
-            watch = Stopwatch()
-            hidden = executor.forward(ids, positions, kv_layers, meta)  # [T, H]
-            executor.model.compute_logits(hidden)
-            times.append(watch.lap())
-        seconds.append(min(times))
+        step = partial(executor.run, _synthetic_step(size, context, block_size), kv_layers, device)
+        seconds.append(min(measure_seconds(step, device) for _ in range(repeats)))
     return CostModel(list(CALIBRATION_SIZES), seconds)
 
 
-def _synthetic_batch(size: int, context: int,
-                     block_size: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+def _synthetic_step(size: int, context: int, block_size: int) -> StepInputs:
+    """One request's step of `size` query tokens after `context` cached ones, in blocks 0,
+    1, ... in order (slot == position), every row's logits wanted."""
     total = context + size
-    num_blocks = -(-total // block_size)
-    positions = torch.arange(context, total)  # [T]
-    meta = AttentionMetadata(
-        slot_mapping=positions.clone(),  # blocks 0, 1, ... in order: slot == position
-        query_start_loc=torch.tensor([0, size], dtype=torch.int32),
-        seq_lens=torch.tensor([total], dtype=torch.int32),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
-        query_lens_cpu=[size],
-        seq_lens_cpu=[total],
-    )
-    return meta, torch.zeros(size, dtype=torch.long), positions
+    positions = list(range(context, total))
+    return StepInputs(token_ids=[0] * size, positions=positions, slots=list(positions), query_lens=[size],
+                      seq_lens=[total], block_tables=[list(range(-(-total // block_size)))], num_rows=[size],
+                      masks=None, logit_rows=list(range(size)))
