@@ -272,8 +272,8 @@ class LlamaForCausalLM(nn.Module):
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if capture is not None and index in capture[0]:
                 width = hidden.shape[1]
-                column = list(capture[0]).index(index) * width
-                capture[1][:, column : column + width].copy_(hidden)
+                for k in (k for k, layer_id in enumerate(capture[0]) if layer_id == index):
+                    capture[1][:, k * width : (k + 1) * width].copy_(hidden)
             hidden = layer(hidden, cos, sin, kv_cache, attention, plan)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
