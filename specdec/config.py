@@ -11,7 +11,7 @@ import torch
 
 from specdec.model_registry import DEFAULT_MODEL, KNOWN_MODELS, model_cache_dir
 
-METHODS = ("ngram", "suffix", "hybrid", "draft_model", "medusa")
+METHODS = ("ngram", "suffix", "hybrid", "draft_model", "medusa", "eagle3")
 # The default speculation (default_speculative_config): trees of up to 16 nodes, 16 deep
 # (a long copied run is drafted whole; nodes not worth their verify row are cut).
 DEFAULT_HEADS = "smollm2-135m-medusa-recurrent"  # shipped in drafters/weights, for DEFAULT_MODEL
@@ -33,7 +33,8 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 5
     # draft_model: a draft model dir or known name; medusa: a heads dir or shipped name;
-    # hybrid: recurrent heads that join suffix decoding (None: suffix decoding alone)
+    # eagle3: an EAGLE-3 head dir (published layout) or shipped name; hybrid: recurrent
+    # heads or an EAGLE-3 head that join suffix decoding (None: suffix decoding alone)
     model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
@@ -44,6 +45,10 @@ class SpeculativeConfig:
     # (None: Medusa-1 heads use the tree measured for them; recurrent heads draft
     # EAGLE-2 dynamic trees).
     tree_choices: list[list[int]] | None = None
+    # eagle3 dynamic trees (EAGLE-2): nodes expanded per depth and children tried per
+    # node; the tree keeps the num_tree_nodes likeliest nodes (num_tree_nodes 0: a top-1
+    # chain, eagle_topk unused).
+    eagle_topk: int = 4
     # Choose each step's draft length per request (down to 0) from measured forward costs
     # and running acceptance, for the most committed tokens per second (specdec/spec/adaptive.py).
     # num_speculative_tokens (and num_tree_nodes) are then upper bounds.
@@ -93,7 +98,28 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'hybrid' drafts dynamic trees: tree_choices applies to 'medusa' only")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative method 'draft_model' needs 'model': a draft model directory or name")
+        self._validate_eagle3()
         self._validate_suffix()
+
+    def _validate_eagle3(self) -> None:
+        """The eagle3 keys: a head, dynamic trees only, eagle_topk in range and set only
+        where an EAGLE-3 head can draft (methods 'eagle3' and 'hybrid')."""
+        topk = self.eagle_topk
+        if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= 16:
+            raise ValueError(f"speculative_config eagle_topk must be an integer in [1, 16], got {topk!r}")
+        if self.method not in ("eagle3", "hybrid") and topk != SpeculativeConfig.eagle_topk:
+            raise ValueError(f"speculative_config eagle_topk applies to methods 'eagle3' and 'hybrid' only, "
+                             f"not {self.method!r}")
+        if self.method != "eagle3":
+            return
+        if not self.model:
+            raise ValueError("speculative method 'eagle3' needs 'model': an EAGLE-3 head directory "
+                             "(config.json and model.safetensors in the published layout) or a shipped head's name")
+        if self.tree_choices is not None:
+            raise ValueError("speculative method 'eagle3' drafts dynamic trees: tree_choices applies to 'medusa' only")
+        if self.num_tree_nodes == 0 and topk not in (1, SpeculativeConfig.eagle_topk):
+            raise ValueError(f"speculative_config eagle_topk {topk} needs num_tree_nodes > 0 (a tree): "
+                             f"with num_tree_nodes 0 the head drafts a top-1 chain")
 
     def _validate_suffix(self) -> None:
         """The suffix_* keys: each in range, and set only for methods 'suffix' and 'hybrid'
@@ -178,9 +204,12 @@ class EngineConfig:
     dtype: torch.dtype = _option("auto", "dtype of the model's weights and activations (auto: float32 on the CPU; "
                                          "on CUDA the checkpoint's bf16/fp16, bf16 for a float32 one)",
                                  choices=DTYPES)
-    linear_backend: str = _option("auto", "packed CPU matmuls for the projections and LM head: auto | cpp-fp16 | "
-                                          "fp16 | fp32 | int8 | int8-rowwise | bf16 | onednn-fp32 | onednn-bf16 "
-                                          "(see evals/bench_kernels.py)")
+    linear_backend: str = _option("auto", "matmuls of the projections and LM head: auto | cpp-fp16 | fp16 | fp32 | "
+                                          "int8 | int8-rowwise | bf16 | onednn-fp32 | onednn-bf16 (packed CPU "
+                                          "kernels, see evals/bench_kernels.py) | triton (CUDA: a batch-invariant "
+                                          "Triton GEMM, so verify rows round as decode rows do and speculation "
+                                          "stays lossless); auto: triton on CUDA; on CUDA fp32 is cuBLAS in the "
+                                          "model dtype, which is not batch-invariant")
     quantization: str = _option("auto", "how the projections and LM head keep their weights: none (float, on "
                                         "linear_backend; a .gguf model dequantized at load), gguf (a .gguf model's "
                                         "own Q8_0/Q4_0/Q4_1 blocks on the C++ quantized kernels, no float copy), "
@@ -203,6 +232,12 @@ class EngineConfig:
                                   "else cpu)", choices=DEVICES)
     enforce_eager: bool = _option(False, "on CUDA, run every step eagerly instead of replaying CUDA graphs "
                                          "captured for decode and verify batches (the CPU always runs eagerly)")
+    async_scheduling: bool | None = _option(
+        None, "overlap scheduling: launch each step's forward before reading the previous step's sampled tokens "
+              "back, which stay on the device and feed the next step's inputs, so the GPU does not wait for the "
+              "host between steps; the host commits them (streaming, stop checks) one step late, with identical "
+              "outputs. Steps that verify drafts run synchronously (their drafter needs the tokens). None (auto): "
+              "on for CUDA, off on the CPU (where host and device share the cores, so nothing overlaps)")
     chat_template: str | None = _option(None, "a Jinja chat template, or the path of a file holding one, used "
                                               "instead of the model's own (chat requests and LLM.chat)")
     max_grammar_compile_s: float = _option(
@@ -227,6 +262,13 @@ class EngineConfig:
         self.kv_cache_memory = self.kv_cache_memory or 0
 
     @property
+    def overlap_steps(self) -> bool:
+        """Whether steps overlap (async_scheduling, with None resolved by the device)."""
+        if self.async_scheduling is None:
+            return self.torch_device.type == "cuda"
+        return self.async_scheduling
+
+    @property
     def torch_device(self) -> torch.device:
         """The device the engine runs on: `device`, with auto resolved."""
         if self.device == "auto":
@@ -248,6 +290,9 @@ class EngineConfig:
             raise ValueError(f"prefill_step_target_ms must be >= 0, got {self.prefill_step_target_ms}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
+            raise ValueError(f"async_scheduling must be true, false or None (auto: on for CUDA), "
+                             f"got {self.async_scheduling!r}")
         if not self.max_grammar_compile_s > 0:  # also refuses nan
             raise ValueError(f"max_grammar_compile_s must be a positive number of seconds, "
                              f"got {self.max_grammar_compile_s}")
@@ -256,7 +301,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}")
-        from specdec.kernels.linear import default_linear_backend, get_linear_backend
+        from specdec.kernels.linear import LINEAR_BACKENDS, get_linear_backend, resolve_linear_backend
         from specdec.kernels.linear_quant import ACTIVATIONS
 
         if self.quantized_activations not in ACTIVATIONS:
@@ -268,11 +313,10 @@ class EngineConfig:
         if self.quantization != "none":  # "auto" stays, for a draft model's float projections
             self._check_quantization()
         elif self.linear_backend == "auto":
-            on_cpu = self.torch_device.type == "cpu"
-            self.linear_backend = default_linear_backend() if self.dtype == torch.float32 and on_cpu else "fp32"
-        if self.torch_device.type == "cuda" and self.linear_backend not in ("auto", "fp32"):
+            self.linear_backend = resolve_linear_backend("auto", self.dtype, self.torch_device)
+        if self.torch_device.type == "cuda" and self.linear_backend not in ("auto", "fp32", "triton"):
             raise ValueError(f"linear_backend {self.linear_backend!r} packs weights for the CPU; on CUDA the "
-                             "projections run on 'fp32' (F.linear in the model dtype)")
+                             "projections run on 'triton' (batch-invariant) or 'fp32' (cuBLAS)")
 
         if self.linear_backend != "auto":
             get_linear_backend(self.linear_backend)  # ValueError if unknown or unavailable
@@ -283,7 +327,8 @@ class EngineConfig:
         if graphs and self.attention_backend not in ("auto", "triton"):
             raise ValueError(f"CUDA graphs are captured on the triton attention kernels: attention_backend "
                              f"{self.attention_backend!r} on CUDA needs enforce_eager=True")
-        if self.linear_backend != "fp32" and self.dtype != torch.float32:
+        backend = LINEAR_BACKENDS.get(self.linear_backend)
+        if (backend is None or backend.needs_fp32) and self.dtype != torch.float32:
             raise ValueError(f"linear_backend {self.linear_backend!r} needs dtype float32 "
                              f"(activations stay fp32), got {self.dtype}")
 

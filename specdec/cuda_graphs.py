@@ -17,7 +17,7 @@ GPU (`cuda`-marked tests).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,15 @@ from specdec.config import EngineConfig
 from specdec.executor import Executor, choose_executor
 from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
-from specdec.model_runner import ForwardOutput, KVCache, ModelRunner, StepInputs, stack_masks, to_device
+from specdec.model_runner import (
+    ForwardOutput,
+    KVCache,
+    ModelRunner,
+    StepInputs,
+    feed_tokens,
+    stack_masks,
+    to_device,
+)
 from specdec.models import LlamaForCausalLM
 from specdec.models.linear import PackedWeights
 
@@ -80,15 +88,18 @@ def pad_inputs(inputs: StepInputs, shape: GraphShape, block_size: int) -> StepIn
     module docstring."""
     padded = StepInputs([], [], [], [shape.query_len] * shape.batch_size, [], [], [],
                         [] if shape.masked else None, [])
-    start = 0
+    start, padded_row = 0, {}  # flat row -> padded row
     for b, q_len in enumerate(inputs.query_lens):
         end = start + q_len
         mask = inputs.masks[b] if inputs.masks is not None else torch.ones(q_len, q_len, dtype=torch.bool).tril()
         _add_request(padded, shape.query_len, block_size, inputs.token_ids[start:end], inputs.positions[start:end],
                      inputs.slots[start:end], inputs.seq_lens[b], inputs.block_tables[b], inputs.num_rows[b], mask)
+        padded_row.update((start + j, b * shape.query_len + j) for j in range(q_len))
         start = end
     for _ in range(shape.batch_size - len(inputs.query_lens)):
         _add_request(padded, shape.query_len, block_size, [], [], [], 0, [], 0, torch.zeros(0, 0, dtype=torch.bool))
+    padded.fed_rows = [padded_row[row] for row in inputs.fed_rows]  # overlap scheduling's device-side roots
+    padded.fed_tokens = inputs.fed_tokens
     return padded
 
 
@@ -144,11 +155,13 @@ class StaticInputs:
             tree_mask=self.masks[shape.query_len][:t] if shape.masked else None)
 
     def fill(self, padded: StepInputs, shape: GraphShape) -> None:
-        """Copy a padded step in; the copies queue behind the GPU's work (no sync)."""
+        """Copy a padded step in; the copies queue behind the GPU's work (no sync). Roots
+        that are on the device only (overlap scheduling) are scattered in after the ids."""
         b, t, width = shape.batch_size, shape.num_tokens, self.block_tables.shape[1]
         for buffer, values in ((self.token_ids, padded.token_ids), (self.positions, padded.positions),
                                (self.slots, padded.slots)):
             buffer[:t].copy_(torch.tensor(values, dtype=torch.int64), non_blocking=True)
+        feed_tokens(self.token_ids, padded.fed_rows, padded.fed_tokens)
         starts = [shape.query_len * i for i in range(b + 1)]
         self.query_start_loc[: b + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
         self.seq_lens[:b].copy_(torch.tensor(padded.seq_lens, dtype=torch.int32), non_blocking=True)
@@ -197,6 +210,15 @@ class CudaGraphs(Executor):
         longest = max_model_len + 2 * max(s.query_len for s in self.shapes)
         self.static = StaticInputs(self.shapes, -(-longest // config.block_size), device)
         self.captured: dict[GraphShape, CapturedStep] = {}
+        self.features: torch.Tensor | None = None  # [max tokens, n * H] the graphs' feature buffer, once captured
+        self.capture()
+
+    def capture_features(self, layer_ids: Sequence[int]) -> None:
+        """Capture features in the graphs too (into one static buffer) and in eager steps:
+        the graphs are captured again."""
+        super().capture_features(layer_ids)
+        self.eager.capture_features(layer_ids)
+        self.features = self.feature_buffer(max(s.num_tokens for s in self.shapes), self.device)
         self.capture()
 
     @torch.inference_mode()
@@ -213,12 +235,13 @@ class CudaGraphs(Executor):
         """The target's forward of a `shape` step on the static buffers."""
         t = shape.num_tokens
         meta = self.static.metadata(shape)
+        features = None if self.features is None else self.features[:t]
         return lambda: self.eager.forward(self.static.token_ids[:t], self.static.positions[:t], self.kv_cache.layers,
-                                          meta)
+                                          meta, features)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[PagedKV],
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.eager.forward(input_ids, positions, kv_caches, meta)
+                meta: AttentionMetadata, features: torch.Tensor | None = None) -> torch.Tensor:
+        return self.eager.forward(input_ids, positions, kv_caches, meta, features)
 
     def run(self, inputs: StepInputs, kv_caches: list[PagedKV], device: torch.device) -> ForwardOutput:
         shape = choose_shape(inputs, self.shapes)
@@ -230,7 +253,16 @@ class CudaGraphs(Executor):
         step.graph.replay()
         # Gathered into new tensors: the next replay overwrites the graph's buffer.
         hidden = step.hidden[to_device(padded.logit_rows, torch.int64, device)]  # [R, H]
-        return ForwardOutput(self.model.compute_logits(hidden), hidden, inputs.num_rows)
+        return ForwardOutput(self.model.compute_logits(hidden), hidden, inputs.num_rows,
+                             self._unpadded_features(inputs, shape))
+
+    def _unpadded_features(self, inputs: StepInputs, shape: GraphShape) -> torch.Tensor | None:  # [T, n * H]
+        """The replayed step's features of the real query rows, in batch order (request b's
+        rows start at b * Q in the padded layout), gathered into a new tensor."""
+        if self.features is None:
+            return None
+        rows = [b * shape.query_len + j for b, q_len in enumerate(inputs.query_lens) for j in range(q_len)]
+        return self.features[to_device(rows, torch.int64, self.device)]
 
     def install_linears(self, weights: PackedWeights) -> None:
         self.eager.install_linears(weights)

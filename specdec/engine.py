@@ -18,12 +18,13 @@ from specdec.faults import STEP_FAILED, fault_message
 from specdec.gpu_memory import gpu_kv_blocks
 from specdec.metrics import EngineMetrics
 from specdec.model_registry import read_json, resolve_model
-from specdec.model_runner import KVCache, ModelRunner
+from specdec.model_runner import ForwardOutput, KVCache, ModelRunner
 from specdec.models import LlamaForCausalLM, load_model, load_tokenizer
 from specdec.output_processor import commit_tokens, make_output
 from specdec.outputs import RequestOutput
+from specdec.overlap import Pipeline, sample_roots
 from specdec.pacing import PrefillPacer
-from specdec.request import Request
+from specdec.request import Request, RequestStatus
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledRequest, Scheduler
 from specdec.spec.adaptive import AdaptiveSpeculation, Stopwatch, calibrate
@@ -61,12 +62,15 @@ class LLMEngine:
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         self.drafter: Drafter | None = build_drafter(self._drafter_context()) if spec else None
+        if self.drafter is not None and self.drafter.feature_layers:  # EAGLE-3: set once, not checked per step
+            self.runner.executor.capture_features(self.drafter.feature_layers)
         self.policy: SpeculationPolicy = (_build_adaptive(self, self.drafter) if spec and spec.adaptive
                                           else FixedSpeculation())
         self.step_timer = step_timer(self.device)  # the policy's step times (CUDA events on a GPU)
         self.pacer = PrefillPacer.from_config(config)
         self.scheduler = Scheduler(config, self.block_manager, self.policy, self.pacer)
         self.metrics = EngineMetrics(self.num_speculative_tokens)
+        self.pipeline = Pipeline(config.overlap_steps)  # the step in flight, with overlap scheduling
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                         GrammarLimits(config.max_grammar_compile_s, config.max_guided_choices,
                                                       config.max_grammar_bytes))
@@ -77,7 +81,8 @@ class LLMEngine:
             spec=self.config.speculative_config, tokenizer=self.tokenizer, target=self.model, device=self.device,
             dtype=self.config.dtype, linear_backend=self.config.linear_backend, max_model_len=self.max_model_len,
             allocate_kv=self._allocate_draft_kv, num_kv_blocks=self.block_manager.num_blocks,
-            max_num_seqs=self.config.max_num_seqs)
+            max_num_seqs=self.config.max_num_seqs, block_size=self.config.block_size,
+            cuda_graphs=self.device.type == "cuda" and not self.config.enforce_eager)
 
     def _allocate_draft_kv(self, model: LlamaForCausalLM, num_blocks: int) -> tuple[ModelRunner, BlockManager]:
         """A runner over a fresh paged KV cache for a draft model (KV in its activation dtype)."""
@@ -184,34 +189,76 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One step. A fault of one request (its grammar, its draft, its commit) ends that
-        request with an error and the others go on; a fault of the batched work (the
-        forward, the samplers) fails the step's requests, never the engine."""
+        """One step: schedule, propose, run, verify, commit. A fault of one request (its
+        grammar, its draft, its commit) ends that request with an error and the others go
+        on; a fault of the batched work (the forward, the samplers) fails the step's
+        requests, never the engine.
+
+        With overlap scheduling (specdec/overlap.py) a step of root-only trees is left in
+        flight, its tokens on the device, and committed by the next call once that call's
+        forward is launched (`_settle`): a call then returns the step before's outputs."""
+        outputs = self._settle() if self.pipeline.must_settle() else []
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return outputs + self._settle()
         watch = Stopwatch()
         self.step_timer.start()
         trees, faults = self._propose(batch)
-        failed = self._fail_each(batch, faults)
+        outputs += self._fail_each(batch, faults)
         if faults:
             batch, trees = _without(batch, trees, faults)
             if not batch:
-                return failed
+                return outputs + self._settle()
         draft_seconds = watch.lap()
         self.step_timer.drafted()
         try:
-            output = self.runner.execute(batch, trees)
-            forward_seconds = watch.lap()
-            for report in self.step_timer.finish(_step_report(batch, trees, draft_seconds, forward_seconds)):
-                self.policy.observe_step(report)
-            self.pacer.observe(sum(item.num_new_tokens for item in batch if item.num_new_tokens > 1), forward_seconds)
-            verified = verify(batch, trees, output)
+            output = self._run(batch, trees, draft_seconds, watch)
         except Exception:
-            logger.exception("engine step failed: failing its %d requests", len(batch))
-            return failed + self._fail_each(batch, {i: STEP_FAILED for i in range(len(batch))})
+            return outputs + self._fail_step(batch) + self._settle()
+        outputs += self._settle()  # the step before's tokens, read while the device runs this one
+        try:
+            verified = self._verify(batch, trees, output)
+        except Exception:
+            return outputs + self._fail_step(batch)
+        self._advance(batch)
         self.metrics.num_steps += 1
-        return failed + self._commit(batch, trees, verified)
+        return outputs + (self._commit(batch, trees, verified) if verified is not None else [])
+
+    def _run(self, batch: list[ScheduledRequest], trees: list[DraftTree], draft_seconds: float,
+             watch: Stopwatch) -> ForwardOutput:
+        """The step's forward, launched; roots still on the device are fed to it there."""
+        output = self.runner.execute(batch, trees, self.pipeline.feed(batch))
+        forward_seconds = watch.lap()
+        for report in self.step_timer.finish(_step_report(batch, trees, draft_seconds, forward_seconds)):
+            self.policy.observe_step(report)
+        self.pacer.observe(sum(item.num_new_tokens for item in batch if item.num_new_tokens > 1), forward_seconds)
+        return output
+
+    def _verify(self, batch: list[ScheduledRequest], trees: list[DraftTree],
+                output: ForwardOutput) -> list[Verified] | None:
+        """What each request commits; None when the step is left in flight instead, its
+        tokens sampled on the device (overlap scheduling, a step without drafts)."""
+        if self.pipeline.overlaps(trees, output):
+            self.pipeline.keep(sample_roots(batch, trees, output))
+            return None
+        return verify(batch, trees, output)
+
+    def _advance(self, batch: list[ScheduledRequest]) -> None:
+        """The step's known tokens and roots are in the KV cache (or queued there); a
+        request given logits has a token coming, pending until it is committed."""
+        for item in batch:
+            if item.completes_prompt:
+                item.request.num_pending += 1
+            item.request.num_computed_tokens += item.num_new_tokens
+
+    def _settle(self) -> list[RequestOutput]:
+        """Commit the step in flight, if any: its tokens, read back one step late."""
+        step = self.pipeline.take()
+        return self._commit(step.batch, step.trees, step.results()) if step is not None else []
+
+    def _fail_step(self, batch: list[ScheduledRequest]) -> list[RequestOutput]:
+        logger.exception("engine step failed: failing its %d requests", len(batch))
+        return self._fail_each(batch, {i: STEP_FAILED for i in range(len(batch))})
 
     def _propose(self, batch: list[ScheduledRequest]) -> tuple[list[DraftTree], dict[int, str]]:
         """Each request's draft tree (the root alone where nothing was granted or guessed),
@@ -258,10 +305,13 @@ class LLMEngine:
         outputs = []
         for item, tree, result in zip(batch, trees, verified):
             request = item.request
+            if request.is_finished:  # stopped or aborted while this step was in flight: its token is dropped
+                continue
+            if result.features is not None and self.drafter is not None:
+                self.drafter.observe_features(request.request_id, result.features_start, result.features)
             if result.error is not None:
                 outputs.append(self._fail_one(request, result.error))
             elif not result.tokens:  # mid-prefill: no logits yet
-                request.num_computed_tokens += item.num_new_tokens
                 self.block_manager.cache_blocks(request)
             else:
                 outputs.append(self._commit_guarded(item, tree, result))
@@ -279,12 +329,14 @@ class LLMEngine:
         return output
 
     def _commit_one(self, item: ScheduledRequest, tree: DraftTree, result: Verified) -> None:
-        """Keep the KV of the known tokens and the accepted path, append the tokens."""
+        """Keep the KV of the accepted path, append the tokens (the known tokens' and the
+        root's KV were counted when the step was launched, `_advance`)."""
         request = item.request
-        root = request.num_computed_tokens + item.num_new_tokens - 1  # the root's position
-        self.runner.keep_path(request.block_table, root, result.accepted_nodes)
+        request.num_pending -= 1
         num_accepted = len(result.tokens) - 1
-        request.num_computed_tokens = root + 1 + num_accepted
+        if num_accepted:  # a verify step, committed before any other step ran: the root is the last computed
+            self.runner.keep_path(request.block_table, request.num_computed_tokens - 1, result.accepted_nodes)
+            request.num_computed_tokens += num_accepted
         kept = commit_tokens(request, result.tokens, self.max_model_len)
         if result.logprobs is not None:
             request.output_logprobs.extend(result.logprobs[:kept])
@@ -296,8 +348,9 @@ class LLMEngine:
             self.metrics.observe_draft(tree.max_depth, min(num_accepted, kept))
             self.policy.observe_verify(request.request_id, tree.max_depth, num_accepted, tree.num_drafts)
         self.metrics.num_generation_tokens += kept
-        self.block_manager.truncate(request, request.num_tokens)
-        self.block_manager.cache_blocks(request)
+        if request.status is RequestStatus.RUNNING:  # not preempted while its step was in flight
+            self.block_manager.truncate(request, request.num_tokens)
+            self.block_manager.cache_blocks(request)
 
     def _fail_each(self, batch: list[ScheduledRequest], faults: dict[int, str]) -> list[RequestOutput]:
         return [self._fail_one(batch[i].request, message) for i, message in faults.items()]

@@ -25,7 +25,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help_text, default = option.metadata["help"], _typed_as(option.default)
         if option.name == "model":
             parser.add_argument("model", nargs="?", default=default, help=help_text)
-        elif hints[option.name] is bool:
+        elif hints[option.name] in (bool, bool | None):  # bool | None: --flag, --no-flag or neither (auto)
             action = "store_true" if default is False else argparse.BooleanOptionalAction
             parser.add_argument(_flag(option.name), action=action, default=default, help=help_text)
         else:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +23,18 @@ class ForwardOutput:
     logits: torch.Tensor  # [R, V] float32: rows of the requests that need logits, in batch order
     hidden: torch.Tensor  # [R, H] final hidden states of the same rows (Medusa heads read them)
     num_rows: list[int]  # [B] rows per scheduled request: 0 mid-prefill, else 1 + num drafts
+    # [T, n * H] EAGLE-3's target features of EVERY query row (known tokens and tree nodes,
+    # in batch order), when the executor captures them (Executor.capture_features); else None
+    features: torch.Tensor | None = None
+
+
+@dataclass
+class Feed:
+    """Root tokens known on the device only (overlap scheduling, specdec/overlap.py): the
+    root of batch[requests[j]] is tokens[j], sampled by the step before, not read back yet."""
+
+    requests: list[int]  # [F] batch indices
+    tokens: torch.Tensor  # [F] int64 on the device
 
 
 @dataclass
@@ -41,6 +53,10 @@ class StepInputs:
     # causal, then its tree); None when every request is causal (chains).
     masks: list[torch.Tensor] | None
     logit_rows: list[int]  # [R] flat rows whose logits are needed, in batch order
+    # [F] flat rows whose token id is fed_tokens[j] on the device (token_ids holds 0 there):
+    # a root sampled by the step before and not read back yet (model_runner.Feed)
+    fed_rows: list[int] = field(default_factory=list)
+    fed_tokens: torch.Tensor | None = None  # [F] int64 on the device
 
 
 class KVCache:
@@ -70,19 +86,24 @@ class ModelRunner:
         self.block_size = config.block_size
 
     @torch.inference_mode()
-    def execute(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree]) -> ForwardOutput:
+    def execute(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree],
+                feed: Feed | None = None) -> ForwardOutput:
         """One forward over every request's known tokens and draft tree (trees[i] is
-        rooted at batch[i]'s last known token; the root alone when nothing is drafted)."""
-        return self.executor.run(self.prepare(batch, trees), self.kv_cache.layers, self.device)
+        rooted at batch[i]'s last known token; the root alone when nothing is drafted).
+        `feed`: the roots that are on the device only (their trees' root ids are ignored)."""
+        return self.executor.run(self.prepare(batch, trees, feed), self.kv_cache.layers, self.device)
 
-    def prepare(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree]) -> StepInputs:
+    def prepare(self, batch: Sequence[ScheduledRequest], trees: Sequence[DraftTree],
+                feed: Feed | None = None) -> StepInputs:
         inputs = StepInputs([], [], [], [], [], [], [], None, [])
+        roots = []  # [B] the flat row of each request's root
         for item, tree in zip(batch, trees, strict=True):
             req = item.request
             start = req.num_computed_tokens
             known = req.all_token_ids[start : start + item.num_new_tokens - 1]  # before the root
             root = start + len(known)
             query_len = item.num_query_tokens(tree)
+            roots.append(len(inputs.token_ids) + len(known))
             inputs.token_ids.extend(known + tree.token_ids)
             inputs.positions.extend([*range(start, root), *tree.positions(root)])
             inputs.slots.extend(self._slots(req.block_table, start, query_len))
@@ -94,6 +115,11 @@ class ModelRunner:
             inputs.num_rows.append(num_rows)
         if not all(tree.is_chain for tree in trees):
             inputs.masks = [_request_mask(item, tree) for item, tree in zip(batch, trees)]
+        if feed is not None:
+            inputs.fed_rows = [roots[i] for i in feed.requests]
+            inputs.fed_tokens = feed.tokens
+            for row in inputs.fed_rows:
+                inputs.token_ids[row] = 0  # a valid id for the upload; the device value replaces it
         return inputs
 
     def keep_path(self, block_table: list[int], root: int, accepted_nodes: list[int]) -> None:
@@ -141,7 +167,16 @@ def upload(inputs: StepInputs, device: torch.device) -> tuple[
     )
     if inputs.masks is not None:
         meta.tree_mask = stack_masks(inputs.masks, meta.max_query_len).to(device, non_blocking=True)
+    feed_tokens(ids, inputs.fed_rows, inputs.fed_tokens)
     return ids, positions, meta, logit_rows
+
+
+def feed_tokens(ids: torch.Tensor, rows: list[int], tokens: torch.Tensor | None) -> None:
+    """Scatter device-side tokens into a step's input ids, in stream order after the ids'
+    upload, without the host seeing them. ids [T] int64 on the device (written in place),
+    tokens [len(rows)] int64 on the same device."""
+    if tokens is not None and rows:
+        ids.index_copy_(0, to_device(rows, torch.int64, ids.device), tokens.to(ids.device))
 
 
 def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -25,7 +25,8 @@ def check_stop(request: Request, token_id: int, delta_len: int, max_model_len: i
         return _finish(request, "stop", token_id)
     if min_reached and _match_stop_string(request, delta_len):
         return True
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+    # Tokens appended so far: a token still on the device (overlap scheduling) comes later.
+    if request.num_output_tokens >= request.max_tokens or len(request.all_token_ids) >= max_model_len:
         return _finish(request, "length", None)
     return False
 

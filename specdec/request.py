@@ -44,6 +44,10 @@ class Request:
         self.output_logprobs: SampleLogprobs = []  # one {token_id: Logprob} per token, when asked for
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Sampled tokens still on the device (overlap scheduling, specdec/overlap.py): the
+        # scheduler counts them as known tokens, whose ids only the device has until the
+        # engine reads them back and appends them.
+        self.num_pending = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full blocks, memoised
@@ -61,7 +65,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Known tokens, those still on the device included (`num_pending`)."""
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -74,6 +79,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def ends_when_settled(self) -> bool:
+        """Its pending tokens reach max_tokens: it ends once they are read back, so no
+        step need run for it meanwhile."""
+        return self.num_pending > 0 and self.num_output_tokens + self.num_pending >= self.max_tokens
 
     @property
     def is_decoding(self) -> bool:

@@ -26,6 +26,8 @@ from specdec.request import Request, RequestStatus
 from specdec.spec.policy import DraftLimit, FixedSpeculation, SpeculationPolicy
 from specdec.spec.tree import DraftTree
 
+PENDING_ROOT = 0  # the root id a step is laid out with while the real one is on the device
+
 
 @dataclass(frozen=True)
 class ScheduledRequest:
@@ -43,9 +45,12 @@ class ScheduledRequest:
 
     @property
     def root_token(self) -> int:
-        """The last known token this step runs: the root of the request's draft tree."""
+        """The last known token this step runs: the root of the request's draft tree;
+        PENDING_ROOT when that token is still on the device (overlap scheduling: the model
+        runner feeds it there, see specdec/overlap.py)."""
         req = self.request
-        return req.all_token_ids[req.num_computed_tokens + self.num_new_tokens - 1]
+        index = req.num_computed_tokens + self.num_new_tokens - 1
+        return req.all_token_ids[index] if index < len(req.all_token_ids) else PENDING_ROOT
 
     @property
     def completes_prompt(self) -> bool:
@@ -91,8 +96,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             request = self.running[i]
-            num_new = budget.chunk(request)
-            if num_new == 0:  # a prefill, and the step's prefill share is spent
+            num_new = 0 if request.ends_when_settled else budget.chunk(request)
+            if num_new == 0:  # a prefill, and the step's prefill share is spent (or nothing left to run)
                 i += 1
                 continue
             limit = self._draft_limit(request, budget.tokens)
@@ -124,8 +129,8 @@ class Scheduler:
         return drafts
 
     def _draft_limit(self, request: Request, budget: int) -> DraftLimit | None:
-        if self.spec is None or not (request.is_decoding and request.use_speculation):
-            return None
+        if self.spec is None or not (request.is_decoding and request.use_speculation) or request.num_pending:
+            return None  # (a pending token: its drafts would follow tokens the host has not seen)
         depth = max(0, min(self.spec.num_speculative_tokens, budget - 1, self._room(request)))
         if depth == 0:
             return None
@@ -152,6 +157,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending:  # preempted with a token on the device: recomputed once it is read
+                break
             self.block_manager.match_prefix(request)
             item = ScheduledRequest(request, budget.chunk(request))
             if item.num_new_tokens == 0 or not self.block_manager.can_allocate(request, item.num_new_tokens):

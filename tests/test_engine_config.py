@@ -64,11 +64,12 @@ def test_llm_passes_every_option_through(tiny_model_dir: Path) -> None:
                    attention_backend="torch", seed=3, device="cpu", prefill_step_target_ms=100.0,
                    chat_template="{{ messages }}", quantization="none", quantized_activations="float32",
                    gpu_memory_utilization=0.5, max_grammar_compile_s=2.5, max_guided_choices=7,
-                   max_grammar_bytes=4096, enforce_eager=True)
+                   max_grammar_bytes=4096, enforce_eager=True, async_scheduling=True)
     assert set(options) | {"model"} == {f.name for f in fields(EngineConfig)}
     engine = LLM(str(tiny_model_dir), **options).engine
     config = engine.config
     assert engine.grammars.limits == GrammarLimits(compile_s=2.5, max_choices=7, max_bytes=4096)
+    assert engine.pipeline.enabled  # async_scheduling
     expected = EngineConfig(model=str(tiny_model_dir), **options)  # type: ignore[arg-type]
     assert {f.name: getattr(config, f.name) for f in fields(EngineConfig)} == \
         {f.name: getattr(expected, f.name) for f in fields(EngineConfig)}

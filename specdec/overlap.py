@@ -1,0 +1,200 @@
+"""Overlap scheduling (EngineConfig.async_scheduling): the host schedules and launches step
+n+1 before it reads step n's sampled tokens back, so the device never waits for the host
+between steps (vLLM v1's async scheduling, SGLang's overlap scheduler).
+
+How a step of root-only trees (plain decode, prefill chunks, requests without drafts) runs:
+
+- Its tokens are sampled on the device (`sample_roots`) and stay there; a copy to the host
+  starts at once without waiting (pinned memory and an event on CUDA). The engine keeps
+  the step in flight (`Pipeline.keep`) and advances each request's `num_computed_tokens`;
+  a request whose token is still on the device counts it in `Request.num_pending`.
+- The next step schedules such a request as decoding one unknown root token: the model
+  runner gathers it from the in-flight step's device tokens into the forward's input ids
+  (`Pipeline.feed`, a device-side scatter into the input buffer or the CUDA graph's static
+  one; `model_runner.Feed`).
+- Once that forward is launched, the engine reads the in-flight step's tokens (the device
+  finished them before it began the new forward) and commits them as any step's: stop
+  checks, streaming, logprobs, KV bookkeeping. Only then does it sample the new step, so
+  logits processors (penalties, grammar masks) see every token before the one they decide,
+  exactly as without overlap.
+- A request that stopped (or was aborted) at step n was already in step n+1: its extra
+  token is dropped unread, its KV blocks were freed when it finished. A request preempted
+  while its token was on the device keeps the token (its logits were computed before the
+  preemption) and is recomputed later from its real tokens: the scheduler admits no waiting
+  request with a token still pending, so no placeholder is ever recomputed. A request sure
+  to end when its pending token lands (max_tokens reached) is not scheduled again.
+
+What does not overlap (the engine settles the in-flight step before scheduling):
+
+- Verify steps. A request that may draft needs step n's tokens before its drafter looks
+  up (n-gram, suffix), its draft model or heads run and its policy grants: those host
+  lookups key on the tokens the step before committed, so they cannot run while the device
+  computes that step. Speculating requests therefore run synchronously; requests without
+  speculation overlap, also beside speculating ones in a step of root-only trees.
+- Reading a step's logprobs, and grammar masks whose rows end up empty, wait for the
+  device: such steps are correct but overlap less.
+
+Sampling a root-only row here is what `specdec.spec.verify.verify` does for it (argmax for
+greedy rows; for sampled rows the exponential race, keyed by position for seeded ones), so
+greedy and seeded outputs are identical with and without overlap (tests/engine/test_overlap.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specdec.logits_processors import process_logits
+from specdec.model_runner import Feed, ForwardOutput
+from specdec.sampler import SamplingTensors, argmax, logits_to_probs, sample_keyed, sample_probs, top_logprobs
+from specdec.scheduler import ScheduledRequest
+from specdec.spec.tree import DraftTree
+from specdec.spec.verify import Verified
+
+NO_TOKEN = -1  # a request the step decided no token for (mid-prefill, or a fault)
+
+
+@dataclass
+class SampledStep:
+    """A step of root-only trees whose tokens were sampled on the device and are read back
+    later (`results`)."""
+
+    batch: list[ScheduledRequest]
+    trees: list[DraftTree]
+    output: ForwardOutput
+    tokens: Tensor  # [B] int64 on the device: each request's sampled token, NO_TOKEN where none
+    host_tokens: Tensor  # [B] int64 on the host, filled by a copy that did not wait (see `ready`)
+    ready: torch.cuda.Event | None  # recorded after that copy on CUDA; None on the CPU
+    faults: dict[int, str]  # batch index -> why its logits processing failed
+    rows: dict[int, int]  # id(request) -> batch index
+
+    def results(self) -> list[Verified]:
+        """Per request what `verify` returns for a root-only tree: its token (none
+        mid-prefill) with its logprobs and hidden state, or its fault."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens = self.host_tokens.tolist()
+        results, row = [], 0
+        for i, (item, num_rows) in enumerate(zip(self.batch, self.output.num_rows)):
+            results.append(self._result(i, item, tokens[i], row) if num_rows else Verified())
+            row += num_rows
+        return results
+
+    def _result(self, i: int, item: ScheduledRequest, token: int, row: int) -> Verified:
+        if i in self.faults:
+            return Verified(error=self.faults[i])
+        result = Verified(tokens=[token], hidden=self.output.hidden[row])
+        num_top = item.request.sampling_params.logprobs
+        if num_top is not None and not item.request.is_finished:  # from the raw logits, as verify's
+            detokenizer = item.request.detokenizer
+            decode = detokenizer.decode_token if detokenizer is not None else None
+            result.logprobs = top_logprobs(self.output.logits[row:row + 1], torch.tensor([token]), num_top, decode)
+        return result
+
+
+def sample_roots(batch: list[ScheduledRequest], trees: list[DraftTree], output: ForwardOutput) -> SampledStep:
+    """Sample every request's one logits row on the device (trees are roots alone) and
+    start copying the tokens to the host; nothing here waits for the device but a
+    grammar's empty-row check."""
+    device = output.logits.device
+    logits, faults = process_logits(output.logits, [item.request for item in batch], trees,
+                                    output.num_rows)  # [R, V]
+    starts = _row_starts(output.num_rows)
+    active = [i for i, n in enumerate(output.num_rows) if n and i not in faults]
+    tokens = torch.full((len(batch),), NO_TOKEN, dtype=torch.int64, device=device)  # [B]
+    greedy = [i for i in active if batch[i].request.sampling_params.greedy]
+    if greedy:
+        tokens[_index(greedy, device)] = argmax(logits[_index([starts[i] for i in greedy], device)])
+    seeded = [i for i in active if i not in greedy and batch[i].request.sampling_params.seed is not None]
+    if seeded:
+        tokens[_index(seeded, device)] = _sample(batch, logits, starts, seeded, keyed=True)
+    unseeded = [i for i in active if i not in greedy and i not in seeded]
+    if unseeded:
+        tokens[_index(unseeded, device)] = _sample(batch, logits, starts, unseeded, keyed=False)
+    host_tokens, ready = _start_copy(tokens)
+    return SampledStep(list(batch), list(trees), output, tokens, host_tokens, ready, faults,
+                       {id(item.request): i for i, item in enumerate(batch)})
+
+
+def _sample(batch: list[ScheduledRequest], logits: Tensor, starts: list[int], rows: list[int],
+            keyed: bool) -> Tensor:  # logits [R, V] -> [len(rows)] int64
+    """The given requests' tokens by the exponential race over their transformed
+    distributions; a seeded row's exponentials keyed by the position it decides (the one
+    after its root), as the verifier keys them."""
+    params = [batch[i].request.sampling_params for i in rows]
+    probs = logits_to_probs(logits[_index([starts[i] for i in rows], logits.device)],
+                            SamplingTensors.from_params(params))  # [N, V]
+    if not keyed:
+        return sample_probs(probs, [None] * len(rows))
+    seeds = [p.seed for p in params if p.seed is not None]
+    positions = [batch[i].request.num_computed_tokens + batch[i].num_new_tokens for i in rows]
+    return sample_keyed(probs, seeds, positions)
+
+
+def _start_copy(tokens: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:  # [B] -> host [B], its event
+    """A host copy of the device tokens that does not wait for the device: into pinned
+    memory behind an event on CUDA; on the CPU the tensor is already there."""
+    if tokens.device.type != "cuda":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def _index(values: list[int], device: torch.device) -> Tensor:  # [N] int64 on `device`
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _row_starts(num_rows: Sequence[int]) -> list[int]:
+    starts, total = [], 0
+    for n in num_rows:
+        starts.append(total)
+        total += n
+    return starts
+
+
+class Pipeline:
+    """The step in flight, if any: with overlap on, each step of root-only trees stays
+    here until the next step's forward is launched (`keep`, `take`); with it off, nothing
+    is ever kept and the engine runs every step to its end."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.in_flight: SampledStep | None = None
+
+    def overlaps(self, trees: Sequence[DraftTree], output: ForwardOutput) -> bool:
+        """Whether a step with these trees is left in flight: overlap is on, nothing was
+        drafted (a verify step is read at once: its drafter needs its tokens next) and no
+        drafter reads the step's captured features (EAGLE-3: committed with the step)."""
+        return self.enabled and not any(tree.num_drafts for tree in trees) and output.features is None
+
+    def keep(self, step: SampledStep) -> None:
+        assert self.in_flight is None, "the step before was not committed"
+        self.in_flight = step
+
+    def take(self) -> SampledStep | None:
+        """The step in flight, handed over to be committed."""
+        step, self.in_flight = self.in_flight, None
+        return step
+
+    def must_settle(self) -> bool:
+        """Before scheduling: a request of the step in flight may draft in the next one,
+        and its drafter needs the tokens still on the device."""
+        step = self.in_flight
+        return step is not None and any(item.request.use_speculation and not item.request.is_finished
+                                        for item in step.batch)
+
+    def feed(self, batch: Sequence[ScheduledRequest]) -> Feed | None:
+        """The root tokens of `batch`'s requests that are still on the device: gathered
+        there from the step in flight, for the model runner to scatter into the inputs."""
+        step = self.in_flight
+        fed = [i for i, item in enumerate(batch) if item.request.num_pending]
+        if not fed:
+            return None
+        assert step is not None, "a token is pending but no step is in flight"
+        source = [step.rows[id(batch[i].request)] for i in fed]
+        return Feed(fed, step.tokens[_index(source, step.tokens.device)])

@@ -1,0 +1,217 @@
+"""Overlap scheduling (EngineConfig.async_scheduling, specdec/overlap.py): the engine
+launches step n+1 before reading step n's tokens, which feed step n+1 on the device and
+are committed one step late. Everything a caller sees must be what the synchronous engine
+gives: the same tokens (greedy and seeded sampling), the same stops, the same streamed
+outputs in the same order (one step later), aborts and preemption handled, and every KV
+block free at the end. On the torch backend, under the Triton interpreter, and on a GPU
+with CUDA graphs (`cuda`-marked).
+"""
+from __future__ import annotations
+
+import os
+
+# Must precede any import of triton (see tests/engine/test_triton_engine.py).
+os.environ["TRITON_INTERPRET"] = "1"
+
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from specdec.config import EngineConfig  # noqa: E402
+from specdec.engine_args import add_engine_args  # noqa: E402
+from specdec.llm import LLM  # noqa: E402
+from specdec.outputs import RequestOutput  # noqa: E402
+from specdec.sampling_params import SamplingParams  # noqa: E402
+from tests.helpers import NGRAM, assert_all_blocks_free, block_bytes, greedy, random_prompts  # noqa: E402
+
+MAX_TOKENS = 12
+
+
+def make_llm(model_dir: Path, overlap: bool, **options: Any) -> LLM:
+    options.setdefault("speculative_config", None)
+    return LLM(str(model_dir), max_model_len=128, async_scheduling=overlap, **options)
+
+
+def stream(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
+           abort_after: dict[str, int] | None = None) -> list[tuple[str, list[int], str | None, str]]:
+    """Every output LLMEngine.step returns, in order, as (id, tokens, finish reason, text);
+    requests in `abort_after` are aborted once that many of their tokens were streamed."""
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    seen: list[tuple[str, list[int], str | None, str]] = []
+    aborted: set[str] = set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append(_entry(out))
+        for rid, count in (abort_after or {}).items():
+            streamed = [s for s in seen if s[0] == rid]
+            if rid not in aborted and streamed and len(streamed[-1][1]) >= count:
+                aborted.add(rid)
+                out = engine.abort_request(rid)
+                if out is not None:
+                    seen.append(_entry(out))
+    return seen
+
+
+def _entry(out: RequestOutput) -> tuple[str, list[int], str | None, str]:
+    completion = out.outputs[0]
+    return out.request_id, list(completion.token_ids), completion.finish_reason, completion.text
+
+
+def assert_same_runs(make: Any, prompts: list[list[int]], params: list[SamplingParams],
+                     abort_after: dict[str, int] | None = None) -> list[tuple[str, list[int], str | None, str]]:
+    """The streamed outputs with overlap equal those without, and every KV block is free."""
+    runs = []
+    for overlap in (False, True):
+        llm = make(overlap)
+        assert llm.engine.pipeline.enabled is overlap
+        runs.append(stream(llm, prompts, params, abort_after))
+        assert_all_blocks_free(llm)
+        assert llm.engine.pipeline.in_flight is None or all(
+            item.request.is_finished for item in llm.engine.pipeline.in_flight.batch)
+    assert runs[1] == runs[0]
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(5, 4)  # different lengths: prefills and decodes share steps
+
+
+def test_greedy_batched_streams_the_same(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    seen = assert_same_runs(lambda o: make_llm(tiny_model_dir, o), prompts,
+                            [greedy(MAX_TOKENS + i) for i in range(len(prompts))])
+    finals = [s for s in seen if s[2] is not None]
+    assert [len(tokens) for _, tokens, _, _ in sorted(finals)] == [MAX_TOKENS + i for i in range(len(prompts))]
+
+
+def test_overlap_leaves_a_step_in_flight(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    """The overlap really happens: after a decode step the engine holds a step whose tokens
+    it has not read, and the next step's roots come from it on the device."""
+    llm = make_llm(tiny_model_dir, True)
+    engine = llm.engine
+    engine.add_request("r0", prompts[0], greedy(MAX_TOKENS))
+    fed = []
+    execute = engine.runner.execute
+
+    def recording_execute(batch: Any, trees: Any, feed: Any = None) -> Any:
+        fed.append(feed is not None)
+        return execute(batch, trees, feed)
+
+    engine.runner.execute = recording_execute  # type: ignore[method-assign]
+    assert engine.step() == []  # the prefill's token is still "on the device"
+    assert engine.pipeline.in_flight is not None
+    assert engine.scheduler.running[0].num_pending == 1
+    assert len(engine.step()[0].outputs[0].token_ids) == 1  # the first token, one step late
+    assert fed == [False, True]
+
+
+def test_stops_are_exact(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    """EOS, stop token ids, stop strings and max_tokens end a request at the same token; the
+    token of the step already scheduled after it is dropped."""
+    probe = make_llm(tiny_model_dir, False).generate(prompts, greedy(MAX_TOKENS))
+    outputs = [list(o.outputs[0].token_ids) for o in probe]
+    texts = [o.outputs[0].text for o in probe]
+    eos = next(iter(make_llm(tiny_model_dir, False).engine.eos_token_ids))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[outputs[0][3]]),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[texts[1][2:5]] if len(texts[1]) >= 5 else None),
+        SamplingParams(temperature=0.0, max_tokens=3),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logit_bias={eos: 100.0}, min_tokens=2),
+    ]
+    seen = assert_same_runs(lambda o: make_llm(tiny_model_dir, o), prompts, params)
+    finals = {rid: (tokens, reason) for rid, tokens, reason, _ in seen if reason is not None}
+    assert finals["r0"] == (outputs[0][:4], "stop")
+    assert len(finals["r2"][0]) == 3 and finals["r2"][1] == "length"
+    assert finals["r3"][1] == "stop" and len(finals["r3"][0]) == 3 and finals["r3"][0][-1] == eos  # after min_tokens
+
+
+def test_seeded_sampling_and_logprobs(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             logprobs=2 if i == 0 else None, repetition_penalty=1.3 if i == 1 else 1.0)
+              for i in range(len(prompts))]
+    runs = [make_llm(tiny_model_dir, overlap).generate(prompts, params) for overlap in (False, True)]
+    assert [o.outputs[0].token_ids for o in runs[1]] == [o.outputs[0].token_ids for o in runs[0]]
+    assert runs[1][0].outputs[0].logprobs == runs[0][0].outputs[0].logprobs
+
+
+def test_abort_mid_generation(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    seen = assert_same_runs(lambda o: make_llm(tiny_model_dir, o), prompts, [greedy(MAX_TOKENS)] * len(prompts),
+                            abort_after={"r1": 3, "r2": 1})
+    finals = {rid: (tokens, reason) for rid, tokens, reason, _ in seen if reason is not None}
+    assert finals["r1"][1] == "abort" and len(finals["r1"][0]) == 3
+    assert finals["r0"][1] == "length"
+
+
+def test_forced_preemption(tiny_model_dir: Path) -> None:
+    """A KV pool too small for the batch: requests are preempted (some with a token still
+    on the device) and recomputed, with the same tokens as with overlap off."""
+    prompts = random_prompts(11, 8)
+    blocks = block_bytes(make_llm(tiny_model_dir, False))
+
+    def small(overlap: bool) -> LLM:
+        return make_llm(tiny_model_dir, overlap, max_num_batched_tokens=64, kv_cache_memory=10 * blocks)
+
+    llm = small(True)
+    outputs = llm.generate(prompts, greedy(40))
+    assert llm.get_metrics()["num_preemptions"] > 0
+    assert_all_blocks_free(llm)
+    expected = make_llm(tiny_model_dir, False).generate(prompts, greedy(40))
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_speculating_requests_beside_overlapped_ones(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    """With a drafter, requests that speculate run synchronously and the others overlap:
+    greedy outputs equal plain decoding's."""
+    expected = [o.outputs[0].token_ids for o in make_llm(tiny_model_dir, False).generate(prompts, greedy(MAX_TOKENS))]
+    llm = make_llm(tiny_model_dir, True, speculative_config=NGRAM)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, greedy(MAX_TOKENS), use_speculation=i % 2 == 0)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].token_ids
+    assert [finals[f"r{i}"] for i in range(len(prompts))] == expected
+    assert_all_blocks_free(llm)
+
+
+def test_triton_interpreter(tiny_model_dir: Path) -> None:
+    """The same on the triton attention backend (its kernels run by Triton's interpreter)."""
+    prompts = random_prompts(3, 3)
+    assert_same_runs(lambda o: make_llm(tiny_model_dir, o, attention_backend="triton"), prompts,
+                     [greedy(5), SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True), greedy(4)])
+
+
+def test_the_option() -> None:
+    """auto: on for CUDA only; the flag and keyword come from EngineConfig; bad values named."""
+    assert EngineConfig(device="cpu").overlap_steps is False
+    assert EngineConfig(device="cpu", async_scheduling=True).overlap_steps is True
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(device="cpu", async_scheduling="yes").validate()  # type: ignore[arg-type]
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).async_scheduling is None
+    assert parser.parse_args(["--async-scheduling"]).async_scheduling is True
+    assert parser.parse_args(["--no-async-scheduling"]).async_scheduling is False
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_overlap(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    """On a GPU with CUDA graphs: the roots fed into the graphs' static input buffer give
+    the synchronous engine's tokens and streams (greedy, seeded, stops, aborts)."""
+    assert torch.cuda.is_available()
+
+    def make(overlap: bool) -> LLM:
+        return make_llm(tiny_model_dir, overlap, device="cuda", dtype="float32")
+
+    params = [greedy(MAX_TOKENS), SamplingParams(temperature=0.8, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True),
+              greedy(3), greedy(MAX_TOKENS + 3)]
+    assert_same_runs(make, prompts, params, abort_after={"r3": 4})
+    assert make(True).engine.runner.executor.__class__.__name__ == "CudaGraphs"
