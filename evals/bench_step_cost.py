@@ -40,9 +40,9 @@ def instrument(llm: LLM, steps: Steps) -> None:
     forward = {"seconds": 0.0, "rows": 0, "decode": False}
     run = runner.execute
 
-    def timed_run(batch: Any, trees: Any) -> Any:
+    def timed_run(batch: Any, trees: Any, feed: Any = None) -> Any:
         start = time.perf_counter()
-        output = run(batch, trees)
+        output = run(batch, trees, feed)
         forward["seconds"] = time.perf_counter() - start
         forward["rows"] = sum(tree.num_drafts for tree in trees)
         forward["decode"] = all(item.num_new_tokens == 1 for item in batch)
