@@ -112,3 +112,5 @@ class DrafterContext:
     allocate_kv: Callable[[LlamaForCausalLM, int], tuple[ModelRunner, BlockManager]]
     num_kv_blocks: int  # the target's KV blocks
     max_num_seqs: int
+    # Drafters may replay their heads from CUDA graphs (on CUDA, unless enforce_eager).
+    cuda_graphs: bool = False

@@ -22,8 +22,9 @@ from safetensors.torch import load_file
 
 from specdec.drafters import recurrent_heads
 from specdec.drafters.base import Drafter, DrafterContext, DraftRequest, HiddenReader
-from specdec.drafters.recurrent_drafter import RecurrentDrafter
+from specdec.drafters.recurrent_drafter import DYNAMIC_WIDTH, RecurrentDrafter
 from specdec.drafters.tree_choices import DEFAULT_CHOICES, Choice, tree_from_choices
+from specdec.head_graphs import HeadGraphs
 from specdec.sampler import SamplingTensors, argmax, logits_to_probs, sample_probs
 from specdec.spec.tree import DraftTree
 
@@ -74,13 +75,14 @@ def _recurrent(context: DrafterContext, path: Path, choices: list[Choice], dynam
         raise ValueError(f"recurrent Medusa heads in {path} have hidden size {heads.mix.in_features // 2}, "
                          f"the target has {model.embed_tokens.shape[1]}")
     heads.use(model.linear_backend)
-    if vocab is None:
-        return RecurrentDrafter(heads, model.embed_tokens, model.compute_logits, choices, dynamic=dynamic,
-                                branching=branching)
-    if int(vocab.max()) >= model.embed_tokens.shape[0] or int(vocab.min()) < 0:
+    if vocab is not None and (int(vocab.max()) >= model.embed_tokens.shape[0] or int(vocab.min()) < 0):
         raise ValueError(f"the draft vocabulary in {path} has token ids outside the target's "
                          f"[0, {model.embed_tokens.shape[0]})")
-    return RecurrentDrafter(heads, model.embed_tokens, _lm_head_over(model, vocab), choices, vocab, dynamic, branching)
+    lm_head = model.compute_logits if vocab is None else _lm_head_over(model, vocab)
+    drafter = RecurrentDrafter(heads, model.embed_tokens, lm_head, choices, vocab, dynamic, branching)
+    if context.cuda_graphs:  # a step's rows: each request's frontier, at most DYNAMIC_WIDTH nodes
+        drafter.use_graphs(context.max_num_seqs * DYNAMIC_WIDTH)
+    return drafter
 
 
 def _lm_head_over(model: LlamaForCausalLM, vocab: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -121,7 +123,10 @@ def build_medusa(context: DrafterContext) -> Drafter:
         return _recurrent(context, path, choices, dynamic=spec.tree_choices is None,
                           branching=spec.num_tree_nodes > 0)
     heads = load_heads(path, context.target.lm_head_weight, context.target.compute_logits)
-    return MedusaDrafter(heads, choices, branching=spec.num_tree_nodes > 0)
+    drafter = MedusaDrafter(heads, choices, branching=spec.num_tree_nodes > 0)
+    if context.cuda_graphs:
+        drafter.use_graphs(context.max_num_seqs)
+    return drafter
 
 
 def build_recurrent_heads(context: DrafterContext) -> RecurrentDrafter:
@@ -141,6 +146,16 @@ class MedusaDrafter(HiddenReader):
         self.choices = choices
         self.branching = branching  # static trees from `choices` instead of chains
         self.top_k = 1 + max((max(c) for c in choices if c), default=0)
+        self.run_heads: Callable[[torch.Tensor], torch.Tensor] = heads  # eager, or replayed graphs (`use_graphs`)
+        self.graphs: HeadGraphs | None = None
+
+    def use_graphs(self, max_rows: int) -> None:
+        """Run the heads from CUDA graphs captured per batch size, up to max_rows requests
+        (specdec/head_graphs.py); their outputs are row-major there: [B, heads, V]."""
+        weights = self.heads.weights  # [heads, H, H]
+        graphs = self.graphs = HeadGraphs(lambda hidden: (self.heads(hidden).transpose(0, 1),),
+                                          [weights.new_zeros(1, weights.shape[1])], max_rows)
+        self.run_heads = lambda hidden: graphs(hidden)[0].transpose(0, 1)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
@@ -148,7 +163,8 @@ class MedusaDrafter(HiddenReader):
         drafts = [DraftTree.chain([r.token_ids[-1]]) for r in requests]
         if not ready:
             return drafts
-        logits = self.heads(torch.stack([self.target_hidden(requests[i].request_id) for i in ready]))  # [heads, R, V]
+        logits = self.run_heads(torch.stack([self.target_hidden(requests[i].request_id)
+                                             for i in ready]))  # [heads, R, V]
         # Every ready request's ranked guesses in one copy to the host (one wait for the GPU).
         top = logits.topk(self.top_k, dim=-1).indices if self.branching else argmax(logits).unsqueeze(-1)
         ranked = top.tolist()  # [heads][R][top_k]

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from specdec.drafters.base import DraftRequest, HiddenReader
 from specdec.drafters.recurrent_heads import RecurrentHeads
 from specdec.drafters.tree_choices import Choice
+from specdec.head_graphs import HeadForward, HeadGraphs
 from specdec.sampler import SamplingTensors, logits_to_probs, sample_probs
 from specdec.spec.tree import Candidate, DraftTree, ScoredDraft, expand_layer
 
@@ -70,6 +71,7 @@ class RecurrentDrafter(HiddenReader):
         self.top_k = 1 + max((max(c) for c in self.choices if c), default=0)
         self.dynamic = dynamic  # trees: EAGLE-2 dynamic ones instead of `choices`
         self.branching = branching  # trees (static or dynamic) instead of chains
+        self.step_rows: HeadForward = self._step_rows  # eager, or replayed graphs (`use_graphs`)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
@@ -80,10 +82,24 @@ class RecurrentDrafter(HiddenReader):
             drafts[i] = tree
         return drafts
 
+    def use_graphs(self, max_rows: int) -> None:
+        """Run the heads' steps from CUDA graphs captured per row count, up to max_rows rows
+        (specdec/head_graphs.py); larger steps run eagerly."""
+        examples = [self.embedding.new_zeros(1, self.embedding.shape[1]),
+                    torch.zeros(1, dtype=torch.long, device=self.embedding.device)]
+        self.step_rows = HeadGraphs(self._step_rows, examples, max_rows)
+
     def _advance(self, states: torch.Tensor, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One step for each row: [N, H] states and the N tokens they read -> the new
         states [N, H] and their logits [N, V]."""
         ids = torch.tensor(list(tokens), dtype=torch.long).to(self.embedding.device, non_blocking=True)
+        states, logits = self.step_rows(states, ids)
+        return states, logits
+
+    def _step_rows(self, states: torch.Tensor,  # [N, H]
+                   ids: torch.Tensor,  # [N] int64 the tokens the rows read
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # [N, H] new states, [N, V] their logits
+        """The heads' step on the device, row by row (what a head graph captures)."""
         states = self.heads.step(states, F.embedding(ids, self.embedding))
         return states, self.compute_logits(states)
 

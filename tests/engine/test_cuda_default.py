@@ -11,9 +11,16 @@ from typing import Any
 import pytest
 import torch
 
+from specdec import cuda_graphs, head_graphs
 from specdec.config import DEFAULT_HEADS, EngineConfig, default_speculative_config
+from specdec.cuda_graphs import CudaGraphs
+from specdec.drafters.hybrid import HybridDrafter
+from specdec.drafters.recurrent_drafter import DYNAMIC_WIDTH
+from specdec.head_graphs import HeadGraphs
 from specdec.llm import LLM
 from specdec.model_registry import DEFAULT_MODEL
+from tests.drafters.test_head_graphs import capture_eagerly as capture_heads_eagerly
+from tests.engine.test_triton_engine import capture_eagerly
 from tests.helpers import NGRAM, assert_all_blocks_free, greedy, random_prompts, token_ids
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -58,3 +65,97 @@ def test_the_hybrids_heads_load_in_the_model_dtype(tiny_model_dir: Path, tiny_re
               speculative_config=default_with_heads(tiny_recurrent_dir))
     heads: Any = llm.engine.drafter.heads  # type: ignore[union-attr]
     assert heads.heads.mix.weight.dtype == torch.bfloat16 and heads.embedding.dtype == torch.bfloat16
+
+
+# ---- the default on the CUDA code path, on the CPU -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(3, 3)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(str(tiny_model_dir), max_model_len=128, attention_backend="torch", speculative_config=None)
+    return token_ids(llm.generate(prompts, greedy(MAX_TOKENS)))
+
+
+MAX_TOKENS = 8
+
+
+def graphed_llm(model_dir: Path, spec: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> LLM:
+    """An engine on the triton attention backend whose target steps and draft heads replay
+    CUDA graphs, each graph an eager rerun of what it captured (Triton's interpreter runs
+    the kernels on CPU tensors)."""
+    monkeypatch.setattr(cuda_graphs, "capture_graph", capture_eagerly)
+    monkeypatch.setattr(head_graphs, "capture", capture_heads_eagerly)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=4, attention_backend="triton",
+              speculative_config=spec)
+    engine = llm.engine
+    runner = engine.runner
+    runner.executor = CudaGraphs(runner.executor, engine.config, runner.kv_cache, engine.device, engine.max_model_len)
+    drafter: Any = engine.drafter
+    heads = drafter.heads if isinstance(drafter, HybridDrafter) else drafter
+    heads.use_graphs(engine.config.max_num_seqs * DYNAMIC_WIDTH)  # what the drafter builds on CUDA
+    return llm
+
+
+def replays(graphs: Any) -> int:
+    return sum(step.graph.replays for step in graphs.captured.values())
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["default", "fixed"])
+def test_default_hybrid_on_the_cuda_path_equals_plain(adaptive: bool, tiny_model_dir: Path,
+                                                      tiny_recurrent_dir: Path, prompts: list[list[int]],
+                                                      plain: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default (adaptive: its drafting depends on measured costs) and the same drafting
+    granted every step (so the graphs of verify steps and of the heads surely run)."""
+    llm = graphed_llm(tiny_model_dir, {**default_with_heads(tiny_recurrent_dir), "adaptive": adaptive}, monkeypatch)
+    assert llm.engine.model.attention_backend.name == "triton"
+    assert token_ids(llm.generate(prompts, greedy(MAX_TOKENS))) == plain
+    assert_all_blocks_free(llm)
+    if not adaptive:
+        drafter: Any = llm.engine.drafter
+        assert isinstance(drafter.heads.step_rows, HeadGraphs) and replays(drafter.heads.step_rows) > 0
+        assert llm.get_metrics()["num_drafts"] > 0
+        executor: Any = llm.engine.runner.executor
+        assert any(step.graph.replays for shape, step in executor.captured.items() if shape.masked)
+
+
+def test_medusa_heads_on_the_cuda_path_equal_plain(tiny_model_dir: Path, tiny_medusa_dir: Path,
+                                                   prompts: list[list[int]], plain: list[list[int]],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = {"method": "medusa", "model": str(tiny_medusa_dir), "num_speculative_tokens": 3, "num_tree_nodes": 6,
+            "tree_choices": [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]}
+    llm = graphed_llm(tiny_model_dir, spec, monkeypatch)
+    assert token_ids(llm.generate(prompts, greedy(MAX_TOKENS))) == plain
+    drafter: Any = llm.engine.drafter
+    assert replays(drafter.graphs) > 0
+    assert_all_blocks_free(llm)
+
+
+# ---- on a GPU -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_default_hybrid_runs_on_a_gpu_in_graphs(tiny_model_dir: Path, tiny_recurrent_dir: Path) -> None:
+    from specdec.kernels import attention_triton
+
+    if type(attention_triton._paged_attention_kernel).__name__ == "InterpretedFunction":
+        pytest.skip("Triton runs interpreted in this session; run TRITON_INTERPRET=0 pytest -m cuda")
+    prompts = random_prompts(5, 3)
+    options: dict[str, Any] = dict(device="cuda", max_model_len=128, max_num_seqs=4, kv_cache_memory=1 << 24)
+    spec = LLM(str(tiny_model_dir), speculative_config={**default_with_heads(tiny_recurrent_dir), "adaptive": False},
+               **options)
+    drafter: Any = spec.engine.drafter
+    assert isinstance(spec.engine.runner.executor, CudaGraphs)
+    assert isinstance(drafter.heads.step_rows, HeadGraphs)
+    assert drafter.heads.heads.mix.weight.dtype == spec.engine.config.dtype != torch.float32
+    assert all(isinstance(c.graph, torch.cuda.CUDAGraph) for c in drafter.heads.step_rows.captured.values())
+    plain = LLM(str(tiny_model_dir), speculative_config=None, **options)
+    assert token_ids(spec.generate(prompts, greedy(16))) == token_ids(plain.generate(prompts, greedy(16)))
+    default = LLM(str(tiny_model_dir), **options)  # speculation on by default
+    assert default.engine.config.speculative_config is not None and default.engine.drafter is not None
+    assert_all_blocks_free(spec)
