@@ -93,10 +93,15 @@ def data_dir(cfg: dd.DistillConfig, layer_ids: tuple[int, ...], data_file: Path 
     return dd.distill_dir(cfg).parent / f"eagle3-{cfg.tag()}{source}-l{'.'.join(map(str, layer_ids))}"
 
 
-def prompt_splits(cfg: dd.DistillConfig, data_file: Path | None) -> dict[str, list[str]]:
-    """distill_data's split, or a JSON list of prompts whose first num_heldout are held out."""
+def prompt_splits(cfg: dd.DistillConfig, data_file: Path | None, sample: int = 0) -> dict[str, list[str]]:
+    """distill_data's split (with `sample`, a seeded random `sample` of its training
+    prompts, spread over all its sections), or a JSON list of prompts whose first
+    num_heldout are held out."""
     if data_file is None:
-        return dd.split_prompts(cfg.num_train, cfg.num_heldout, cfg.seed)
+        splits = dd.split_prompts(cfg.num_train, cfg.num_heldout, cfg.seed)
+        if sample:
+            splits["train"] = random.Random(cfg.seed).sample(splits["train"], min(sample, len(splits["train"])))
+        return splits
     prompts = json.loads(data_file.read_text())
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise SystemExit(f"--data {data_file}: expected a JSON list of prompt strings")
@@ -105,7 +110,7 @@ def prompt_splits(cfg: dd.DistillConfig, data_file: Path | None) -> dict[str, li
 
 
 def ensure_data(cfg: dd.DistillConfig, layer_ids: tuple[int, ...], data_file: Path | None = None,
-                progress: bool = True) -> tuple[list[Record], list[Record]]:
+                sample: int = 0, progress: bool = True) -> tuple[list[Record], list[Record]]:
     """(train, heldout) records with aux states, generating the missing shards (the
     held-out ones in cfg.heldout_dtype, fp32: measured against the real target)."""
     from tqdm import tqdm
@@ -113,10 +118,11 @@ def ensure_data(cfg: dd.DistillConfig, layer_ids: tuple[int, ...], data_file: Pa
     out = data_dir(cfg, layer_ids, data_file)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg) | {"aux_layers": list(layer_ids)}, indent=2))
-    for split, prompts in prompt_splits(cfg, data_file).items():
+    names = {"heldout": "heldout", "train": f"train-r{sample}" if sample else "train"}
+    for split, prompts in prompt_splits(cfg, data_file, sample).items():
         prompts = sorted(prompts, key=len)  # batches of similar length waste less on padding
         batches = [prompts[i:i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
-        todo = [i for i in range(len(batches)) if not (out / f"{split}-{i:04d}.pt").exists()]
+        todo = [i for i in range(len(batches)) if not (out / f"{names[split]}-{i:04d}.pt").exists()]
         if not todo:
             continue
         model, tokenizer = dd.load_target(cfg.model, cfg.heldout_dtype if split == "heldout" else cfg.train_dtype)
@@ -126,9 +132,10 @@ def ensure_data(cfg: dd.DistillConfig, layer_ids: tuple[int, ...], data_file: Pa
             if split == "train":  # the final hidden state only serves the held-out comparison
                 for r in records:
                     del r["hidden"]
-            torch.save(records, out / f"{split}-{i:04d}.tmp")
-            (out / f"{split}-{i:04d}.tmp").rename(out / f"{split}-{i:04d}.pt")
-    return dd.load_split(out, "train"), dd.load_split(out, "heldout")
+            shard = out / f"{names[split]}-{i:04d}.pt"
+            torch.save(records, shard.with_suffix(".tmp"))
+            shard.with_suffix(".tmp").rename(shard)
+    return dd.load_split(out, names["train"]), dd.load_split(out, "heldout")
 
 
 # -- batches -----------------------------------------------------------------------------------
@@ -227,32 +234,38 @@ def batches_by_tokens(records: list[Record], max_tokens: int, rng: random.Random
     return out
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warmup, then cosine decay to 10% of peak."""
+def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to 10% of peak as `progress`
+    (the fraction of the run done) goes to 1."""
     import math
 
     if step < warmup:
         return peak * (step + 1) / warmup
-    frac = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def train(head: Eagle3Head, records: list[Record], steps: int, depth: int, lr: float, batch_tokens: int,
-          warmup: int = 20, progress: bool = True, seed: int = 0) -> list[float]:
-    """Train in place (fp32 weights, bf16 autocast); returns each step's total loss."""
+          warmup: int = 20, progress: bool = True, seed: int = 0, max_minutes: float = 0.0) -> list[float]:
+    """Train in place (fp32 weights, bf16 autocast) for `steps` steps or `max_minutes`
+    (if > 0), whichever ends first: the schedule follows whichever is further along.
+    Returns each step's total loss."""
     from tqdm import tqdm
 
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng, draft_index, history = random.Random(seed), draft_index_of(head), []
     pool: list[list[Record]] = []
+    start = time.time()
     bar = tqdm(range(steps), desc="train eagle3", mininterval=10, disable=not progress)
     for step in bar:
+        done = max(step / steps, (time.time() - start) / 60 / max_minutes if max_minutes > 0 else 0.0)
+        if done >= 1:
+            break
         if not pool:
             pool = batches_by_tokens(records, batch_tokens, rng)
         batch = make_batch(pool.pop(), depth)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr, warmup)
+            group["lr"] = lr_at(step, done, lr, warmup)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outputs = head.forward_train(batch["input_ids"], batch["aux"].float(), batch["mask"], depth)
             losses = step_losses(head, outputs, batch, draft_index)
@@ -333,9 +346,12 @@ def main() -> None:
     dd.add_cli_args(parser)
     parser.add_argument("--data", type=Path, default=None,
                         help="JSON list of prompts (first --num-heldout held out); default: distill_data's set")
+    parser.add_argument("--train-sample", type=int, default=0,
+                        help="train on a seeded random sample of this many of the training prompts (0: all)")
     parser.add_argument("--out", type=Path, default=Path("drafters/weights/smollm2-135m-eagle3"))
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--max-minutes", type=float, default=0.0, help="stop training after this long (0: no limit)")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--ttt-depth", type=int, default=5, help="training-time-test steps unrolled")
     parser.add_argument("--eval-depth", type=int, default=6, help="steps measured on the held-out answers")
@@ -352,7 +368,7 @@ def main() -> None:
     target = ModelConfig.from_dir(resolve_model(cfg.model))
     layer_ids = tuple(args.aux_layers) if args.aux_layers else \
         Eagle3Config.from_dict(config_dict(target, target.vocab_size)).aux_layers(target.num_layers)
-    train_recs, heldout = ensure_data(cfg, layer_ids, args.data)
+    train_recs, heldout = ensure_data(cfg, layer_ids, args.data, args.train_sample)
     embed = target_tensor(cfg.model, "model.embed_tokens.weight")
     vocab = draft_vocab(train_recs, min(args.draft_vocab, target.vocab_size), target.vocab_size)
     if args.init:
@@ -362,18 +378,23 @@ def main() -> None:
         lm_head = target_tensor(cfg.model, "lm_head.weight", "model.embed_tokens.weight")
         head = init_head(target, vocab, layer_ids, lm_head, target_tensor(cfg.model, "model.norm.weight"), embed)
     t0 = time.time()
-    history = train(head, train_recs, args.steps, args.ttt_depth, args.lr, args.batch_tokens, args.warmup)
+    history = train(head, train_recs, args.steps, args.ttt_depth, args.lr, args.batch_tokens, args.warmup,
+                    max_minutes=args.max_minutes)
     minutes = round((time.time() - t0) / 60, 1)
     save_eagle3_head(head, args.out)
     shipped = load_eagle3_head(args.out, target, embed)  # measured as shipped (fp16 weights)
-    choices = best_choices(heldout_ranks(shipped, train_recs[:256], args.eval_depth, 10), 10, 64)
+    # The static tree (for tau, as the recurrent heads report it) is chosen on 128 training answers.
+    sample = train_recs[:: max(1, len(train_recs) // 128)]
+    choices = best_choices(heldout_ranks(shipped, sample, args.eval_depth, 10), 10, 64)
     generated = torch.cat([r["tokens"][r["prompt_len"]:].long() for r in heldout])
     report: dict[str, Any] = {
-        "data": {"cache": data_dir(cfg, layer_ids, args.data).name, "prompts": args.data.name if args.data
-                 else dd.PROMPTS_FILE.name, "train_prompts": len(train_recs), "heldout_prompts": len(heldout),
+        "data": {"cache": data_dir(cfg, layer_ids, args.data).name,
+                 "prompts": args.data.name if args.data else dd.PROMPTS_FILE.name, "train_prompts": len(train_recs),
+                 "train_sample": args.train_sample, "heldout_prompts": len(heldout),
                  "train_positions": sum(len(r["tokens"]) - r["prompt_len"] for r in train_recs),
                  "train_dtype": cfg.train_dtype, "heldout_dtype": cfg.heldout_dtype},
-        "aux_layers": list(layer_ids), "steps": args.steps, "lr": args.lr, "ttt_depth": args.ttt_depth,
+        "aux_layers": list(layer_ids), "steps": len(history), "max_minutes": args.max_minutes, "lr": args.lr,
+        "ttt_depth": args.ttt_depth,
         "batch_tokens": args.batch_tokens, "train_minutes": minutes, "init": str(args.init) if args.init else None,
         "loss": {"first_20": round(sum(history[:20]) / max(1, len(history[:20])), 3),
                  "last_50": round(sum(history[-50:]) / max(1, len(history[-50:])), 3)},
