@@ -19,7 +19,9 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from specdec import cuda_graphs  # noqa: E402
 from specdec.config import EngineConfig  # noqa: E402
+from specdec.cuda_graphs import CudaGraphs  # noqa: E402
 from specdec.engine_args import add_engine_args  # noqa: E402
 from specdec.llm import LLM  # noqa: E402
 from specdec.outputs import RequestOutput  # noqa: E402
@@ -187,6 +189,32 @@ def test_triton_interpreter(tiny_model_dir: Path) -> None:
                      [greedy(5), SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True), greedy(4)])
 
 
+def test_cuda_graph_buffers_take_the_fed_roots(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA graph executor with each graph replaced by an eager rerun of its forward
+    over the static buffers (tests/engine/test_triton_engine.py's stand-in): roots fed on
+    the device land in the padded static input ids, and the streams equal the synchronous
+    engine's."""
+    from tests.engine.test_triton_engine import capture_eagerly
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", capture_eagerly)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    replays = []
+
+    def make(overlap: bool) -> LLM:
+        llm = make_llm(tiny_model_dir, overlap, max_num_seqs=4, attention_backend="triton")
+        engine, runner = llm.engine, llm.engine.runner
+        runner.executor = CudaGraphs(runner.executor, engine.config, runner.kv_cache, engine.device,
+                                     engine.max_model_len)
+        replays.append(runner.executor)
+        return llm
+
+    prompts = random_prompts(4, 3)
+    assert_same_runs(make, prompts, [greedy(5), greedy(3), SamplingParams(temperature=1.0, seed=2, max_tokens=5,
+                                                                          ignore_eos=True)])
+    graphs = replays[-1]
+    assert any(step.graph.replays for step in graphs.captured.values())  # type: ignore[attr-defined]
+
+
 def test_the_option() -> None:
     """auto: on for CUDA only; the flag and keyword come from EngineConfig; bad values named."""
     assert EngineConfig(device="cpu").overlap_steps is False
@@ -209,9 +237,10 @@ def test_cuda_graphs_overlap(tiny_model_dir: Path, prompts: list[list[int]]) -> 
     assert torch.cuda.is_available()
 
     def make(overlap: bool) -> LLM:
-        return make_llm(tiny_model_dir, overlap, device="cuda", dtype="float32")
+        llm = make_llm(tiny_model_dir, overlap, device="cuda", dtype="float32")
+        assert isinstance(llm.engine.runner.executor, CudaGraphs)
+        return llm
 
     params = [greedy(MAX_TOKENS), SamplingParams(temperature=0.8, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True),
               greedy(3), greedy(MAX_TOKENS + 3)]
     assert_same_runs(make, prompts, params, abort_after={"r3": 4})
-    assert make(True).engine.runner.executor.__class__.__name__ == "CudaGraphs"
