@@ -20,9 +20,13 @@ import triton.language as tl
 from specdec.kernels.attention_base import AttentionBackend, AttentionPlan
 from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
+from specdec.kernels.triton_dot import INTERPRETED, dot_acc
 
 BLOCK_M = 16  # rows per program (tokens x heads); tl.dot needs at least 16
 BLOCK_N = 32  # context positions per inner-loop tile
+# In a tree step, requests of up to this many query tokens (every verify: trees have at
+# most 64 nodes) get one query token per tile, to read its keys compacted (see the kernel).
+GATHER_MAX = tl.constexpr(128)
 FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value (kv_cache.FP8_MAX)
 MIN_SCALE = tl.constexpr(1.1754943508222875e-38)  # float32 tiny (kv_cache._MIN_SCALE)
 
@@ -51,12 +55,12 @@ def _store_kv_kernel(
         v = tl.load(value_ptr + t * s_vt + h * s_vh + d, mask=m, other=0.0)
         dst = slot * s_cslot + h * s_ch + d
         scale_dst = slot * s_sslot + heads
-        _store_row(k, k_cache_ptr + dst, k_scale_ptr + scale_dst, m, heads < H, IS_FP8)
-        _store_row(v, v_cache_ptr + dst, v_scale_ptr + scale_dst, m, heads < H, IS_FP8)
+        store_kv_row(k, k_cache_ptr + dst, k_scale_ptr + scale_dst, m, heads < H, IS_FP8)
+        store_kv_row(v, v_cache_ptr + dst, v_scale_ptr + scale_dst, m, heads < H, IS_FP8)
 
 
 @triton.jit
-def _store_row(x, ptrs, scale_ptrs, mask, head_ok, IS_FP8: tl.constexpr):
+def store_kv_row(x, ptrs, scale_ptrs, mask, head_ok, IS_FP8: tl.constexpr):
     """Store [H_P, D_P] values; fp8 as x / scale with scale = amax over D / 448 per head."""
     if IS_FP8:
         scale = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), 1) / FP8_MAX, MIN_SCALE)  # [H_P]
@@ -76,7 +80,7 @@ def store_kv_triton(
         return
     assert all(t.is_contiguous() for t in kv.tensors())
     assert key.stride(2) == 1 and value.stride(2) == 1
-    k_scale, v_scale = _scales(kv)
+    k_scale, v_scale = scale_tensors(kv)
     _store_kv_kernel[(T,)](
         key, value, kv.k, kv.v, k_scale, v_scale, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -85,7 +89,7 @@ def store_kv_triton(
     )
 
 
-def _scales(kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_tensors(kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
     """The scale tensors, or (for unscaled caches) the data as never-read placeholders."""
     if kv.k_scale is None or kv.v_scale is None:
         return kv.k, kv.v
@@ -112,8 +116,8 @@ def _paged_attention_kernel(
     s_bt, s_tm,  # block-table row stride, tree-mask row stride
     qk_scale,  # softmax scale * log2(e): scores go through exp2
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr,
-    D: tl.constexpr, D_P: tl.constexpr, IS_TREE: tl.constexpr, IS_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    IS_TREE: tl.constexpr, W_P: tl.constexpr, IS_FP8: tl.constexpr, EXACT: tl.constexpr,
 ):
     tile, kvh = tl.program_id(0), tl.program_id(1)
     req = tl.load(tile_req_ptr + tile)
@@ -128,6 +132,9 @@ def _paged_attention_kernel(
     qi = q0 + r // GROUP_P  # [M] query index within the request
     head = kvh * GROUP + r % GROUP_P
     row_ok = (qi < q_len) & (r % GROUP_P < GROUP)
+    if IS_TREE:
+        gather = q_len <= GATHER_MAX  # one query token per tile, keys read compacted (_tile_index)
+        row_ok = row_ok & (r // GROUP_P < tl.where(gather, 1, BLOCK_Q))
     tok = q_start + qi  # [M] flattened token index
     d = tl.arange(0, D_P)
     d_ok = d < D
@@ -135,9 +142,19 @@ def _paged_attention_kernel(
     q_ptrs = q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :]
     q = tl.load(q_ptrs, mask=io_mask, other=0.0)
 
-    # Causal tiles never look past their last query; tree nodes may see any query token.
+    # Causal tiles never look past their last query. A tree step's one-token tile walks
+    # its token's keys compacted: the context before the query tokens, then the query
+    # tokens its mask row marks, in order, at the logical positions after it, which is
+    # where the engine's KV move puts an accepted path. So each key sits in the same tile
+    # lane as in the decode that follows acceptance, and every reduction (max, sum, the
+    # dot over keys) runs in the same order: a tree row equals that decode bit for bit.
+    # Other tiles of a tree step (long prefill chunks) see any query token, masked.
     if IS_TREE:
-        ctx_end = seq_len
+        jj = tl.arange(0, W_P)
+        seen = tl.load(tree_mask_ptr + (q_start + q0).to(tl.int64) * s_tm + jj, mask=jj < tl.where(gather, q_len, 0),
+                       other=0) != 0  # [W_P] the tile's token's mask row
+        rank = tl.cumsum(seen.to(tl.int32), 0) - 1  # [W_P] logical slot of each marked query token
+        ctx_end = tl.where(gather, prefix + tl.sum(seen.to(tl.int32), 0), seq_len)
     else:
         ctx_end = tl.minimum(seq_len, prefix + q0 + BLOCK_Q)
 
@@ -146,8 +163,12 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, D_P], tl.float32)
     for n0 in range(0, ctx_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)  # [N] context positions
+        pos = n0 + tl.arange(0, BLOCK_N)  # [N] context positions (logical, in a gathering tile)
         pos_ok = pos < ctx_end
+        if IS_TREE:
+            hit = seen[None, :] & (rank[None, :] == (pos - prefix)[:, None])  # [N, W_P]
+            marked = tl.sum(tl.where(hit, jj[None, :], 0), 1)  # [N] the query token at each logical slot
+            pos = tl.where(gather & (pos >= prefix), prefix + marked, pos)  # physical positions
         blk = tl.load(block_tables_ptr + req * s_bt + pos // KV_BLOCK, mask=pos_ok, other=0)
         kv_off = blk.to(tl.int64) * s_cb + (pos % KV_BLOCK) * s_cs + kvh * s_ch
         scale_off = blk.to(tl.int64) * s_sb + (pos % KV_BLOCK) * s_ss + kvh
@@ -156,7 +177,8 @@ def _paged_attention_kernel(
         k = _load_kv(k_cache_ptr + offs, k_scale_ptr + scale_off, kv_mask, pos_ok, IS_FP8)
         v = _load_kv(v_cache_ptr + offs, v_scale_ptr + scale_off, kv_mask, pos_ok, IS_FP8)
 
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale  # [M, N]
+        no_acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_N], tl.float32)
+        s = dot_acc(q, tl.trans(k.to(q.dtype)), no_acc, EXACT) * qk_scale  # [M, N]
         visible = _visible(pos, qi, tok, row_ok, prefix, q_len, tree_mask_ptr, s_tm, IS_TREE)
         s = tl.where(visible & pos_ok[None, :], s, float("-inf"))
 
@@ -164,7 +186,8 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        pv = dot_acc(p.to(q.dtype), v.to(q.dtype), tl.zeros([BLOCK_Q * GROUP_P, D_P], tl.float32), EXACT)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -193,17 +216,22 @@ def _visible(pos, qi, tok, row_ok, prefix, q_len, tree_mask_ptr, s_tm, IS_TREE: 
         return pos[None, :] <= prefix + qi[:, None]
 
 
-def _tile_index(meta: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:  # [n], [n] int32
+def _tile_index(meta: AttentionMetadata, block_q: int, tree: bool) -> tuple[torch.Tensor, torch.Tensor]:  # [n], [n]
     """Request and first query index of every query tile, from the device's copy of the
     layout by device ops alone: no host copy, no sync, and a CUDA graph captures it (the
-    tile count, the grid size, comes from the host's query lengths)."""
-    num_tiles = sum(-(-n // block_q) for n in meta.query_lens_cpu)
+    tile count, the grid size, comes from the host's query lengths). A tile holds
+    block_q query tokens; in a tree step, a request of up to GATHER_MAX tokens gets one
+    per tile."""
+    limit = int(GATHER_MAX.value) if tree else 0
+    num_tiles = sum(n if n <= limit else -(-n // block_q) for n in meta.query_lens_cpu)
     starts = meta.query_start_loc  # [B + 1]
-    tiles = (starts[1:] - starts[:-1] + block_q - 1) // block_q  # [B] tiles per request
+    q_lens = starts[1:] - starts[:-1]  # [B]
+    per_tile = torch.where(q_lens <= limit, 1, block_q)  # [B] query tokens per tile
+    tiles = (q_lens + per_tile - 1) // per_tile  # [B] tiles per request
     ends = torch.cumsum(tiles, 0)  # [B] int64: one past each request's last tile
     tile = torch.arange(num_tiles, device=starts.device)  # [n]
     req = torch.searchsorted(ends, tile, right=True)  # [n] the request whose tiles cover it
-    q0 = (tile - (ends - tiles)[req]) * block_q  # [n]
+    q0 = (tile - (ends - tiles)[req]) * per_tile[req]  # [n]
     return req.to(torch.int32), q0.to(torch.int32)
 
 
@@ -217,7 +245,7 @@ class TritonPlan(AttentionPlan):
 
     def tile_index(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:  # [n], [n] int32
         if block_q not in self.tiles:
-            self.tiles[block_q] = _tile_index(self.meta, block_q)
+            self.tiles[block_q] = _tile_index(self.meta, block_q, self.tree_mask is not None)
         return self.tiles[block_q]
 
 
@@ -253,7 +281,7 @@ def paged_attention_triton(
     if T == 0:
         return out
     assert query.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-    k_scale, v_scale = _scales(kv)
+    k_scale, v_scale = scale_tensors(kv)
     assert k_scale.stride() == v_scale.stride() and (not kv.is_fp8 or k_scale.stride(2) == 1)
     group_p = triton.next_power_of_2(Hq // Hkv)
     block_q = max(1, BLOCK_M // group_p)
@@ -269,6 +297,6 @@ def paged_attention_triton(
         meta.block_tables.stride(0), s_tm, scale * 1.4426950408889634,
         GROUP=Hq // Hkv, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         KV_BLOCK=kv_block, D=D, D_P=triton.next_power_of_2(D), IS_TREE=plan.tree_mask is not None,
-        IS_FP8=kv.is_fp8,
+        W_P=triton.next_power_of_2(max(1, meta.max_query_len)), IS_FP8=kv.is_fp8, EXACT=INTERPRETED,
     )
     return out

@@ -1,8 +1,9 @@
 """Linear backends by name (the interface: linear_base.py), one class family per file:
 fp32 (linear_base.py), fbgemm fp16 / int8 (linear_fbgemm.py), the C++ fp16 kernel
 (linear_cpu.py), int8 with per-row scales and bf16 on plain torch (linear_torch.py),
-oneDNN fp32 / bf16 (linear_onednn.py), and GGUF blocks q8_0 / q4_0 / q4_1 through the C++
-quantized kernel (linear_gguf.py)."""
+oneDNN fp32 / bf16 (linear_onednn.py), GGUF blocks q8_0 / q4_0 / q4_1 through the C++
+quantized kernel (linear_gguf.py), and the batch-invariant Triton GEMM for CUDA
+(linear_triton.py; the default there)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from specdec.kernels.linear_fbgemm import Fp16Linear, Int8Linear
 from specdec.kernels.linear_gguf import QUANT_BACKENDS
 from specdec.kernels.linear_onednn import OneDnnBf16Linear, OneDnnFp32Linear
 from specdec.kernels.linear_torch import Bf16Linear, Int8RowwiseLinear
+from specdec.kernels.linear_triton import TritonLinear
 
 __all__ = ["LINEAR_BACKENDS", "Fp32Linear", "LinearBackend", "available_linear_backends", "default_linear_backend",
            "get_linear_backend", "resolve_linear_backend"]
 
 _CLASSES: tuple[type[LinearBackend], ...] = (Fp32Linear, Fp16Linear, CppFp16Linear, Int8Linear, Int8RowwiseLinear,
-                                             Bf16Linear, OneDnnFp32Linear, OneDnnBf16Linear, *QUANT_BACKENDS)
+                                             Bf16Linear, OneDnnFp32Linear, OneDnnBf16Linear, TritonLinear,
+                                             *QUANT_BACKENDS)
 LINEAR_BACKENDS: dict[str, type[LinearBackend]] = {cls.name: cls for cls in _CLASSES}
 
 
@@ -35,10 +38,14 @@ def default_linear_backend() -> str:
     return next((name for name in ("cpp-fp16", "fp16") if LINEAR_BACKENDS[name].is_available()), "fp32")
 
 
-def resolve_linear_backend(name: str, dtype: torch.dtype) -> str:
-    """`name`, with "auto" made the default for a `dtype` model (packed backends need float32)."""
+def resolve_linear_backend(name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
+    """`name`, with "auto" made the default for a `dtype` model on `device`: on CUDA the
+    batch-invariant Triton GEMM (cuBLAS, "fp32", rounds a row differently by the number
+    of rows, which breaks lossless speculation); on the CPU packed backends need float32."""
     if name != "auto":
         return name
+    if torch.device(device).type == "cuda":
+        return TritonLinear.name
     return default_linear_backend() if dtype == torch.float32 else Fp32Linear.name
 
 

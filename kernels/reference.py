@@ -142,3 +142,55 @@ def _sees(meta: AttentionMetadata, start: int, i: int, j: int) -> bool:
     if meta.tree_mask is None:
         return j <= i
     return bool(meta.tree_mask[start + i, j])
+
+
+def add_rms_norm(x: torch.Tensor,  # [T, D] the branch output
+                 residual: torch.Tensor,  # [T, D]
+                 weight: torch.Tensor,  # [D]
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # [T, D] float64, [T, D] x's dtype
+    """The residual add (rounded to the model dtype, as the model keeps its residual
+    stream) and the RMSNorm of the sum, in float64."""
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I] float64
+    """SiLU of the first half times the second half, in float64."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+def rope(x: torch.Tensor,  # [T, H, D]
+         cos: torch.Tensor,  # [T, D]
+         sin: torch.Tensor,  # [T, D], rotate_half's sign folded into its first half
+         ) -> torch.Tensor:  # [T, H, D] float64
+    """Rotate-half RoPE: x * cos + [x2, x1] * sin, in float64."""
+    x = x.double()
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.double()[:, None] + swapped * sin.double()[:, None]
+
+
+def rope_store_kv(qk: torch.Tensor,  # [T, Hq + Hkv, D]
+                  value: torch.Tensor,  # [T, Hkv, D]
+                  cos: torch.Tensor,  # [T, D]
+                  sin: torch.Tensor,  # [T, D]
+                  num_heads: int,
+                  kv: PagedKV,
+                  slot_mapping: torch.Tensor,  # [T] int64
+                  ) -> torch.Tensor:  # [T, Hq, D] float64: the rotated q
+    """RoPE on q and k; k (rounded to the model dtype) and v stored as store_kv does."""
+    rotated = rope(qk, cos, sin)
+    store_kv(rotated[:, num_heads:].to(qk.dtype), value, kv, slot_mapping)
+    return rotated[:, :num_heads]
+
+
+def sample(logits: torch.Tensor,  # [N, V]
+           temperature: torch.Tensor,  # [N]; 0: greedy
+           noise: torch.Tensor,  # [N, V] uniform in (0, 1)
+           ) -> torch.Tensor:  # [N] int64
+    """Gumbel-max sampling, in float64: argmax(logits / T - log(-log u)) per row, or
+    argmax(logits) where T is 0 (ties: the lowest index)."""
+    logits, t = logits.double(), temperature.double()[:, None]
+    perturbed = logits / torch.where(t == 0, 1.0, t) - torch.log(-torch.log(noise.double()))
+    return torch.where(t[:, 0] == 0, logits.argmax(-1), perturbed.argmax(-1))

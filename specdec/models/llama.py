@@ -13,6 +13,9 @@ Written for batch-1 CPU decoding, where Python and per-op overhead rival the mat
   its weight packed for it; `use_linear_backend` repacks them all.
 - Attention goes through the model's attention backend (kernels/attention.py), chosen
   once: it plans each step once (`plan`), then every layer stores its K/V and attends.
+- The norms, the residual add after attention, SiLU-and-multiply and RoPE with the K/V
+  store go through the model's layer ops (kernels/layer_ops.py), chosen once with the
+  attention backend: torch's ops, or with the triton backend fused Triton kernels.
 - This module's forward is the Python layer code; what runs a forward (these layers, the
   C++ layer loop of kernels/decoder_cpu.py over the same kernels, CUDA graphs) is an
   executor the engine chooses (specdec/executor.py), which this class does not know.
@@ -30,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.kernels import AttentionBackend, AttentionMetadata, AttentionPlan, PagedKV, rms_norm_cpu
+from specdec.kernels import AttentionBackend, AttentionMetadata, AttentionPlan, PagedKV
+from specdec.kernels.layer_ops import TORCH_OPS, LayerOps, apply_rope, layer_ops_for, rms_norm
 from specdec.kernels.linear_base import LinearBackend
 from specdec.models.config import ModelConfig, RopeConfig
 from specdec.models.linear import PackedLinear, install_linears, pack_linears
@@ -45,17 +49,6 @@ def _optional_param(
     present: bool, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 ) -> nn.Parameter | None:
     return _param(shape, dtype, device) if present else None
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dim; weight is [D] or broadcastable like [H, D]."""
-    if rms_norm_cpu.supports(x, weight):
-        return rms_norm_cpu.rms_norm_cpu(x, weight, eps)
-    if x.dtype == torch.float32 and weight.dim() == 1:
-        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op on the hot path
-    # Like HF: normalise in fp32, cast back, then scale in the model dtype.
-    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    return normed.to(x.dtype) * weight
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> Tensor:  # [D/2] float32
@@ -98,18 +91,20 @@ def rope_cache(
     return cos, sin
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [T, H, D]; cos, sin: [T, 1, D] from rope_cache -> [T, H, D]."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+# apply_rope and rms_norm (the torch ops, kernels/layer_ops.py) stay importable from here.
+__all__ = ["LlamaDecoderLayer", "LlamaForCausalLM", "apply_rope", "rms_norm", "rope_cache", "rope_inv_freq"]
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP block with fused projections."""
+    """Pre-norm attention + SwiGLU MLP block with fused projections; `ops` (torch's by
+    default) computes its norms, activation and RoPE with the K/V store."""
 
     qk_norm: nn.Parameter | None
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 ops: LayerOps = TORCH_OPS):
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.qk_width = (config.num_heads + config.num_kv_heads) * config.head_dim
@@ -147,9 +142,10 @@ class LlamaDecoderLayer(nn.Module):
         attention: AttentionBackend[Any],
         plan: AttentionPlan,  # attention.plan of this step
     ) -> Tensor:  # [T, hidden]
-        attn_in = rms_norm(hidden, self.input_norm, self.eps)
-        hidden = self._attention(attn_in, cos, sin, kv_cache, attention, plan).add_(hidden)
-        mlp_in = rms_norm(hidden, self.post_attn_norm, self.eps)
+        ops = self.ops
+        attn_in = ops.rms_norm(hidden, self.input_norm, self.eps)
+        attn_out = self._attention(attn_in, cos, sin, kv_cache, attention, plan)
+        mlp_in, hidden = ops.add_rms_norm(attn_out, hidden, self.post_attn_norm, self.eps)
         return self._mlp(mlp_in).add_(hidden)
 
     def _attention(
@@ -166,17 +162,14 @@ class LlamaDecoderLayer(nn.Module):
         qk = qkv[:, : self.qk_width].view(num_tokens, -1, self.head_dim)  # [T, Hq + Hkv, D]
         v = qkv[:, self.qk_width :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
-            qk = rms_norm(qk, self.qk_norm, self.eps)
-        qk = apply_rope(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        attention.store_kv(k, v, kv_cache, plan)
+            qk = self.ops.rms_norm(qk, self.qk_norm, self.eps)
+        q = self.ops.rope_store_kv(qk, v, cos, sin, self.num_heads, kv_cache, attention, plan)
         out = attention.forward(q, kv_cache, plan, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 
     def _mlp(self, x: Tensor) -> Tensor:  # [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.ops.silu_mul(gate_up))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -186,8 +179,9 @@ class LlamaForCausalLM(nn.Module):
     uninitialised. Call under torch.inference_mode().
 
     `attention_backend` (a plain attribute; an executor chosen for the model assumes it
-    stays) computes attention; every projection starts on the fp32 linear backend until
-    `use_linear_backend`.
+    stays) computes attention; `layer_ops`, chosen with it at construction and shared by
+    every layer, the norms, activation and RoPE (kernels/layer_ops.py). Every projection
+    starts on the fp32 linear backend until `use_linear_backend`.
     """
 
     rope_cos: Tensor
@@ -205,10 +199,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.attention_backend = attention_backend
+        self.layer_ops = layer_ops_for(attention_backend)
         hidden, vocab = config.hidden_size, config.vocab_size
         self.embed_tokens = _param((vocab, hidden), dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, device) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, dtype, device, self.layer_ops) for _ in range(config.num_layers)
         )
         self.norm = _param((hidden,), dtype, device)
         tied = self.embed_tokens if config.tie_word_embeddings else None
@@ -275,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
                 for k in (k for k, layer_id in enumerate(capture[0]) if layer_id == index):
                     capture[1][:, k * width : (k + 1) * width].copy_(hidden)
             hidden = layer(hidden, cos, sin, kv_cache, attention, plan)
-        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return self.layer_ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.lm_head(hidden).float()
