@@ -89,7 +89,7 @@ def load_model(
     path = Path(model_dir)
     reader = open_gguf(path) if is_gguf(path) else None
     config = model_config(reader) if reader is not None else ModelConfig.from_dir(path)
-    linear = _linear_backend(linear_backend, quantization, dtype, reader is not None, quantized_activations)
+    linear = _linear_backend(linear_backend, quantization, dtype, reader is not None, quantized_activations, device)
     float_headers = isinstance(linear, GgufLinear) and linear.float_headers  # how blocks are packed for it
     attention = (make_attention_backend(attention_backend, device) if isinstance(attention_backend, str)
                  else attention_backend)
@@ -133,7 +133,7 @@ def _quantize_linears(model: LlamaForCausalLM, qtype: str, float_headers: bool) 
 
 
 def _linear_backend(name: str, quantization: str, dtype: torch.dtype, gguf: bool,
-                    activations: str = "float32") -> LinearBackend:
+                    activations: str = "float32", device: torch.device | str = "cpu") -> LinearBackend:
     """The projections' backend: `name`'s, or (whatever `name`) the one `quantization`
     stores them for, with `activations` (EngineConfig.quantized_activations); EngineConfig
     refuses a linear_backend that would be left unused."""
@@ -142,7 +142,7 @@ def _linear_backend(name: str, quantization: str, dtype: torch.dtype, gguf: bool
     if quantization == "none":
         if activations != "float32":
             raise ValueError(f"quantized_activations {activations!r} needs a quantization other than 'none'")
-        return get_linear_backend(resolve_linear_backend(name, dtype))
+        return get_linear_backend(resolve_linear_backend(name, dtype, device))
     if dtype != torch.float32:
         raise ValueError(f"quantization {quantization!r} needs dtype float32 (activations stay fp32), got {dtype}")
     if quantization != "gguf":
