@@ -1,11 +1,11 @@
 """A llama-architecture GGUF file read directly: its model config and EOS from the
 metadata and its tensors under HF names, for loader.py (its tokenizer: tokenizer.py).
 
-Tensors come either dequantized to float32 (`keep_blocks=False`: the model then equals the
-dequantized HF checkpoint `specdec models pull` writes) or, for `quantization="gguf"`,
-as the file's own blocks (`QuantizedMatrix`, no float copy) wherever their type is one
-the C++ kernels run; q and k rows are reordered from llama.cpp's RoPE layout to HF's
-either way (whole rows, so the blocks are kept as they are). A file that is not a
+Tensors come either dequantized to float32 a range of rows at a time (`keep_blocks=False`:
+the model then equals the dequantized HF checkpoint `specdec models pull` writes) or, for
+`quantization="gguf"`, as the file's own blocks (`QuantizedMatrix`, no float copy) wherever
+their type is one the C++ kernels run; q and k rows are reordered from llama.cpp's RoPE
+layout to HF's either way (whole rows, so the blocks are kept as they are). A file that is not a
 readable GGUF, an architecture or tensor other than a llama's, or a tensor type that
 cannot be loaded is a ValueError naming it: a truncated or corrupt file a GGUFFileError
 naming the file and the field (`check_gguf`, run before anything else reads the file).
@@ -13,6 +13,7 @@ naming the file and the field (`check_gguf`, run before anything else reads the 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,9 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
 
 
 class GgufTensors:
-    """The file's tensors by HF name, in the checkpoint interface loader.py reads."""
+    """The file's tensors by HF name, in the checkpoint interface loader.py reads: a
+    tensor's shape, its blocks where they are kept, else its rows dequantized a range at
+    a time (so a bf16 load never holds a whole weight in float32)."""
 
     def __init__(self, reader: GGUFReader, config: ModelConfig, keep_blocks: bool):
         self.config, self.keep_blocks = config, keep_blocks
@@ -124,37 +127,49 @@ class GgufTensors:
     def keys(self) -> list[str]:
         return list(self.by_name)
 
-    def get_tensor(self, name: str) -> Tensor | QuantizedMatrix:
-        """`name`'s tensor: float32, or for keep_blocks its blocks (ValueError for a block
-        type the kernels do not run: it would take a float32 copy)."""
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self.by_name[name].shape))  # GGUF lists dims innermost first
+
+    def blocks(self, name: str) -> QuantizedMatrix | None:
+        """`name`'s blocks where keep_blocks keeps them, else None (read its rows as floats);
+        ValueError for a block type the kernels do not run: it would take a float32 copy."""
         tensor = self.by_name[name]
-        shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dims innermost first
-        weight: Tensor | QuantizedMatrix
-        if self.keep_blocks and tensor.tensor_type in BLOCK_NAMES:
-            weight = QuantizedMatrix(BLOCK_NAMES[tensor.tensor_type], torch.from_numpy(tensor.data), shape[-1])
-        elif self.keep_blocks and not _kept_as_is(tensor.tensor_type):
+        if not self.keep_blocks or tensor.tensor_type in FLOAT_TYPES:
+            return None
+        if tensor.tensor_type not in BLOCK_NAMES:
             raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which quantization "
                              f"'gguf' does not run (block types: {', '.join(t.name for t in BLOCK_NAMES)}); load it "
                              "with quantization 'none', or quantize it at load with q8_0, q4_0 or q4_1")
-        else:
-            weight = self._floats(tensor, shape)
-        return self._reordered(name, weight)
+        order = self._row_order(name)
+        blocks = torch.from_numpy(tensor.data)
+        if order is not None:
+            blocks = blocks.index_select(0, order)  # whole rows: the blocks stay as they are
+        return QuantizedMatrix(BLOCK_NAMES[tensor.tensor_type], blocks, self.shape(name)[-1])
 
-    def _floats(self, tensor: ReaderTensor, shape: list[int]) -> Tensor:
+    def chunks(self, name: str, max_rows: int) -> Iterator[tuple[int, Tensor]]:
+        """(first row, float32 [<= max_rows, cols]) dequantized, q and k rows in HF's order;
+        a 1-d tensor comes whole."""
+        tensor, shape = self.by_name[name], self.shape(name)
+        if len(shape) <= 1:
+            yield 0, self._floats(tensor, tensor.data).reshape(shape)
+            return
+        order = self._row_order(name)
+        for first in range(0, shape[0], max_rows):
+            rows = slice(first, min(first + max_rows, shape[0]))
+            data = tensor.data[rows] if order is None else tensor.data[order[rows].numpy()]
+            yield first, self._floats(tensor, data).reshape(-1, *shape[1:])
+
+    def _floats(self, tensor: ReaderTensor, data: np.ndarray[Any, Any]) -> Tensor:
         try:
-            values = dequantize(tensor.data, tensor.tensor_type)
+            values = dequantize(data, tensor.tensor_type)
         except NotImplementedError as error:
             raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which cannot be "
                              f"loaded: {error}") from error
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
-    def _reordered(self, name: str, weight: Tensor | QuantizedMatrix) -> Tensor | QuantizedMatrix:
-        """q and k rows from llama.cpp's RoPE order to HF's."""
+    def _row_order(self, name: str) -> Tensor | None:  # [rows] int64
+        """Which GGUF row each HF row of a q or k projection is (llama.cpp stores them in its
+        RoPE layout); None for every other tensor."""
         heads = {"q_proj": self.config.num_heads, "k_proj": self.config.num_kv_heads}
         head = next((h for proj, h in heads.items() if name.endswith(f"{proj}.weight")), None)
-        if head is None:
-            return weight
-        order = qk_row_order(int(weight.shape[0]), head)
-        if isinstance(weight, QuantizedMatrix):
-            return QuantizedMatrix(weight.qtype, weight.blocks.index_select(0, order), weight.cols)
-        return weight.index_select(0, order)
+        return None if head is None else qk_row_order(self.shape(name)[0], head)

@@ -2,8 +2,11 @@
 
 Each of our parameters is filled from one or more HF tensors stacked along dim 0 (q/k/v
 into qkv_proj, gate/up into gate_up_proj); pieces are copied straight into slices of the
-destination, so no fused temporary is ever materialised. Tensors are read lazily through
-safetensors' (or the GGUF's) memory map, one at a time. With `quantization="gguf"` a
+destination, so no fused temporary is ever materialised. Tensors are read through a memory
+map of each shard (safetensors_rows.py; the GGUF's own), one range of rows (CHUNK_BYTES) at
+a time, converted to the model dtype and copied into parameters already allocated on the
+target device in that dtype: a bf16 checkpoint never has a float32 copy, and the host holds
+one chunk of the file at a time (a range's pages are given back once copied). With `quantization="gguf"` a
 GGUF's projections keep their blocks instead: each such parameter becomes a
 QuantizedTensor of its pieces' blocks (kernels/quantized_tensor.py). The model gets its
 attention backend at construction and its linear backend once the weights are in.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -20,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 
 from specdec.kernels.attention import AttentionBackend, make_attention_backend
@@ -32,6 +35,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.gguf_loader import GgufTensors, is_gguf, model_config, open_gguf
 from specdec.models.linear import PackedLinear
 from specdec.models.llama import LlamaForCausalLM
+from specdec.models.safetensors_rows import SafetensorsRows
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # How the projections' weights are stored (EngineConfig.quantization): as loaded, in
 # float ("none"); a GGUF's own blocks ("gguf"); quantized at load to one block type.
 QUANTIZATIONS = ("none", "gguf", "q8_0", "q4_0", "q4_1")
+# The most a chunk of a weight read from the file may take, counted in float32 (a GGUF's
+# rows come dequantized to it): what a load holds on the host beyond the model itself.
+CHUNK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -225,24 +232,42 @@ class _Source:
     """Checkpoint tensors first, fallback tensors for names the checkpoint lacks."""
 
     def __init__(self, tensors: dict[str, Any], fallback: dict[str, Tensor]):
-        self.tensors, self.fallback = tensors, fallback  # tensors: name -> safe_open handle or GgufTensors
+        self.tensors, self.fallback = tensors, fallback  # tensors: name -> SafetensorsRows or GgufTensors
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors or name in self.fallback
 
-    def get(self, name: str) -> Tensor | QuantizedMatrix:
+    def shape(self, name: str) -> tuple[int, ...]:
         handle = self.tensors.get(name)
-        return self.fallback[name] if handle is None else handle.get_tensor(name)
+        return tuple(self.fallback[name].shape) if handle is None else tuple(handle.shape(name))
+
+    def blocks(self, name: str) -> QuantizedMatrix | None:
+        """A GGUF's blocks where the model keeps them; None for a tensor read as floats."""
+        handle = self.tensors.get(name)
+        return handle.blocks(name) if isinstance(handle, GgufTensors) else None
+
+    def copy_into(self, name: str, dest: Tensor, broadcast: bool) -> None:
+        """dest (the model's dtype and device) <- `name`, a range of rows at a time;
+        broadcast: a [D] vector repeated over dest's rows (q/k norm)."""
+        handle = self.tensors.get(name)
+        if handle is None:
+            dest.copy_(self.fallback[name])
+            return
+        max_rows = max(1, CHUNK_BYTES // (4 * max(1, math.prod(dest.shape[1:]))))
+        for first, rows in handle.chunks(name, max_rows):
+            target = dest if broadcast else dest[first : first + rows.shape[0]]
+            target.copy_(rows)  # converts on the host first when dtypes differ: one chunk's worth
 
 
 @contextmanager
 def _open_checkpoint(model_dir: Path) -> Iterator[dict[str, Any]]:
-    """Yield tensor name -> open safetensors handle, over every shard."""
+    """Yield tensor name -> its shard's SafetensorsRows, over every shard."""
     with ExitStack() as stack:
         index: dict[str, Any] = {}
         for path in _shard_files(model_dir):
-            handle = stack.enter_context(safe_open(str(path), framework="pt"))
-            index.update(dict.fromkeys(handle.keys(), handle))
+            shard = SafetensorsRows(path)
+            stack.callback(shard.close)
+            index.update(dict.fromkeys(shard.keys(), shard))
         yield index
 
 
@@ -297,15 +322,14 @@ def _fill(param: Tensor, pieces: list[_Piece], source: _Source, float_headers: b
     start, blocks = 0, []
     for piece in pieces:
         dest = param[start : start + piece.rows]
-        tensor = source.get(piece.hf_name)
-        expected = dest.shape[1:] if piece.broadcast else dest.shape
-        if tuple(tensor.shape) != tuple(expected):
-            got, want = tuple(tensor.shape), tuple(expected)
-            raise ValueError(f"weight {piece.hf_name} has shape {got}, expected {want}")
-        if isinstance(tensor, QuantizedMatrix):
-            blocks.append(tensor)
+        expected, got = tuple(dest.shape[1:] if piece.broadcast else dest.shape), source.shape(piece.hf_name)
+        if got != expected:
+            raise ValueError(f"weight {piece.hf_name} has shape {got}, expected {expected}")
+        quantized = source.blocks(piece.hf_name)
+        if quantized is not None:
+            blocks.append(quantized)
         else:
-            dest.copy_(tensor)  # broadcasts a [D] norm vector over its heads
+            source.copy_into(piece.hf_name, dest, piece.broadcast)
         start += piece.rows
     if blocks and len(blocks) != len(pieces):
         raise ValueError(f"weights {[p.hf_name for p in pieces]} mix GGUF blocks and float tensors in one projection")
