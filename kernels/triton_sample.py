@@ -53,7 +53,8 @@ def _sample_kernel(
 
 def argmax_triton(logits: torch.Tensor) -> torch.Tensor:  # [N, V] float32 -> [N] int64
     """torch.argmax(logits, -1), without a host sync."""
-    return _launch(logits, None, None)
+    # The noise and temperature arguments are never read without SAMPLE.
+    return _launch(logits, logits[:, 0], logits, sample=False)
 
 
 def sample_triton(logits: torch.Tensor,  # [N, V] float32
@@ -65,21 +66,21 @@ def sample_triton(logits: torch.Tensor,  # [N, V] float32
     if noise.shape != logits.shape or temperature.shape != logits.shape[:1]:
         raise ValueError(f"noise {tuple(noise.shape)} and temperature {tuple(temperature.shape)} must match "
                          f"logits {tuple(logits.shape)} and its rows")
-    return _launch(logits, temperature, noise)
+    if noise.dtype != torch.float32 or noise.stride(1) != 1 or temperature.dtype != torch.float32:
+        raise ValueError("the triton sampler takes float32 noise (contiguous last dim) and temperatures")
+    return _launch(logits, temperature, noise, sample=True)
 
 
-def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, noise: torch.Tensor | None) -> torch.Tensor:
+def _launch(logits: torch.Tensor,  # [N, V]
+            temperature: torch.Tensor,  # [N]
+            noise: torch.Tensor,  # [N, V]
+            sample: bool) -> torch.Tensor:  # [N] int64
     N, V = logits.shape
     out = torch.empty(N, dtype=torch.int64, device=logits.device)
     if N == 0:
         return out
     if logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError("the triton samplers take float32 logits with a contiguous last dim")
-    sample = noise is not None and temperature is not None
-    if sample and (noise.dtype != torch.float32 or noise.stride(1) != 1 or temperature.dtype != torch.float32):
-        raise ValueError("the triton sampler takes float32 noise (contiguous last dim) and temperatures")
-    _sample_kernel[(N,)](
-        logits, noise if sample else logits, temperature if sample else logits, out,
-        logits.stride(0), noise.stride(0) if sample else 0, V, SAMPLE=sample, BLOCK_V=BLOCK_V,
-    )
+    _sample_kernel[(N,)](logits, noise, temperature, out, logits.stride(0), noise.stride(0), V,
+                         SAMPLE=sample, BLOCK_V=BLOCK_V)
     return out
