@@ -39,11 +39,17 @@ class Drafter(ABC):
     alone means no guess). A drafter may keep per-request state (a KV cache); it must
     reconcile that state itself from `token_ids` (tokens it drafted that the target
     rejected no longer appear there) and release it in `free`. A drafter that reads the
-    target's hidden states sets `reads_hidden` and gets them through `observe_hidden`.
+    target's hidden states sets `reads_hidden` and gets them through `observe_hidden`; one
+    that reads the inputs of some target layers (EAGLE-3) names them in `feature_layers`
+    and gets them through `observe_features`.
     """
 
     reads_hidden = False  # True: the engine calls `observe_hidden` after each commit
     scores_nodes = False  # True: every tree's nodes carry chances (`DraftTree.chances`)
+    # Target layers whose input hidden states (the residual stream entering them) the
+    # drafter reads, in the order it reads them: the engine has its executor capture them
+    # once, when the drafter is built, and calls `observe_features` after every step.
+    feature_layers: tuple[int, ...] = ()
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]: ...
@@ -61,6 +67,14 @@ class Drafter(ABC):
         """The target's final hidden state at the row that produced the request's newest
         committed token (what its logits came from); called after each commit when
         `reads_hidden`, kept by the drafter until the request's next step or `free`."""
+
+    def observe_features(self, request_id: str, start: int, features: torch.Tensor) -> None:  # features [n, F]
+        """The captured features (`feature_layers` side by side, F = their count x the
+        target's hidden size) of the request's tokens at positions start .. start + n - 1,
+        once the target ran them and kept them: a prefill chunk's tokens, or a verify step's
+        known tokens, root and accepted nodes (never a rejected node's). A position comes
+        again when the target computes it again (after a preemption); positions a prefix
+        cache hit skipped never come."""
 
     def free(self, request_id: str) -> None:
         """Forget a finished or aborted request."""
@@ -114,3 +128,4 @@ class DrafterContext:
     max_num_seqs: int
     # Drafters may replay their heads from CUDA graphs (on CUDA, unless enforce_eager).
     cuda_graphs: bool = False
+    block_size: int = 16  # tokens per target KV block

@@ -34,6 +34,10 @@ def build_drafter(context: DrafterContext) -> Drafter:
         from specdec.drafters.medusa import build_medusa
 
         return build_medusa(context)
+    if spec.method == "eagle3":
+        from specdec.drafters.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter.from_context(context)
     raise ValueError(f"unknown speculative method {spec.method!r}")
 
 
@@ -42,9 +46,15 @@ def device_bytes(spec: SpeculativeConfig | None, block_size: int, dtype: torch.d
     """(bytes per target KV block, fixed bytes) that the drafter `spec` names will take on
     the device once built, to count in before the target's KV cache is sized: a draft
     model's KV blocks and weights. (0, 0) for the others: n-gram and suffix drafters hold
-    nothing there, Medusa and recurrent heads are small enough for the headroom."""
+    nothing there, Medusa and recurrent heads are small enough for the headroom; an
+    EAGLE-3 head's KV and weights."""
     if spec is not None and spec.method == "draft_model" and spec.model:
         from specdec.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.device_bytes(spec.model, block_size, dtype, max_num_seqs)
+    if spec is not None and spec.method == "eagle3" and spec.model:
+        from specdec.drafters.eagle3 import Eagle3Drafter
+
+        tree_rows = spec.eagle_topk * spec.num_speculative_tokens
+        return Eagle3Drafter.device_bytes(spec.model, block_size, dtype, max_num_seqs, tree_rows)
     return 0, 0

@@ -19,6 +19,7 @@ segment per projection) or "cpp-fp16", and a cache the C++ attention and K/V sto
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +69,8 @@ class _Step(ctypes.Structure):
                 ("positions", _P), ("slots", _P), ("num_slots", _I64), ("cache_dtype", ctypes.c_int32),
                 ("block_size", _I64), ("max_blocks", _I64), ("block_tables", _P), ("rows", _P), ("prefixes", _P),
                 ("extra_start", _P), ("extra", _P), ("group_start", _P), ("group_requests", _P),
-                ("num_groups", _I64), ("head_splits", _I64), ("num_threads", ctypes.c_int32), ("final_norm", _P)]
+                ("num_groups", _I64), ("head_splits", _I64), ("num_threads", ctypes.c_int32), ("final_norm", _P),
+                ("capture", _P), ("capture_layers", _P), ("num_captures", _I64)]
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,9 @@ class DecoderLayers:
         slot_mapping: Tensor,  # [T] int64
         rows: CppRows,  # attention_cpu.plan_rows of this step
         scale: float,
+        # (layer ids, out [T, len(ids) * hidden] float32 contiguous): the residual stream
+        # entering each of those layers is copied into its column block (EAGLE-3's features)
+        capture: tuple[Sequence[int], Tensor] | None = None,
     ) -> Tensor:  # [T, hidden] float32: the final norm's output
         self._point_at(kv_caches)
         kv = kv_caches[0]
@@ -201,6 +206,7 @@ class DecoderLayers:
                      rows.extra_start.data_ptr(), rows.extra.data_ptr(), rows.group_start.data_ptr(),
                      rows.group_requests.data_ptr(), rows.group_requests.numel(), rows.head_splits,
                      torch.get_num_threads(), self._final_norm.data_ptr())
+        _columns = self._capture(step, capture)  # held until the call returns: the step points into it
         run = cpu_build.function(_LIBRARY, "specdec_decoder_layers",
                                  [ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _I64, ctypes.POINTER(_Step), _P],
                                  ctypes.c_int32)
@@ -214,6 +220,19 @@ class DecoderLayers:
         if status != 0:
             raise ValueError("the quantized linear kernel has no variant for this CPU")
         return hidden
+
+    def _capture(self, step: _Step, capture: tuple[Sequence[int], Tensor] | None) -> Tensor | None:
+        """Point the step at the capture buffer; the layer ids it reads (None without capture)."""
+        if capture is None:
+            return None
+        layer_ids, out = capture
+        width = len(layer_ids) * self.shape.hidden
+        if out.dtype != torch.float32 or not out.is_contiguous() or tuple(out.shape) != (step.tokens, width):
+            raise ValueError(f"the capture buffer must be contiguous float32 [{step.tokens}, {width}], "
+                             f"got {out.dtype} {tuple(out.shape)}")
+        ids = torch.tensor(list(layer_ids), dtype=torch.int64)
+        step.capture, step.capture_layers, step.num_captures = out.data_ptr(), ids.data_ptr(), len(layer_ids)
+        return ids
 
     def _point_at(self, kv_caches: list[PagedKV]) -> None:
         caches = tuple(ptr for kv in kv_caches for ptr in (kv.k.data_ptr(), kv.v.data_ptr()))

@@ -10,6 +10,10 @@ built and held by its ModelRunner. The model class does not know which one runs 
 - `CudaGraphs` (specdec/cuda_graphs.py): graphs of the Python layers captured per step
   shape and replayed on CUDA.
 
+Any executor can also capture EAGLE-3's target features (`capture_features`, set once when
+the drafter is built): the residual stream entering a few chosen layers, for every query
+row of every step, returned beside the logits (`ForwardOutput.features`).
+
 `choose_executor` picks between the first two. Repacking the projections goes through the
 executor (`use_linear_backend`, `install_linears`): the C++ loop holds pointers into the
 packings and rebuilds its state when told, instead of rechecking them every step.
@@ -17,6 +21,7 @@ packings and rebuilds its state when told, instead of rechecking them every step
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -34,6 +39,7 @@ class Executor(ABC):
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
+        self.feature_layers: tuple[int, ...] = ()  # target layers whose input `run` captures
 
     @abstractmethod
     def forward(
@@ -42,16 +48,39 @@ class Executor(ABC):
         positions: Tensor,  # [T] int64
         kv_caches: list[PagedKV],  # one per layer
         meta: AttentionMetadata,
+        features: Tensor | None = None,  # [T, len(feature_layers) * H], written when given
     ) -> Tensor:  # [T, hidden], after the final norm
-        """LlamaForCausalLM.forward's result, computed this executor's way."""
+        """LlamaForCausalLM.forward's result, computed this executor's way; `features`
+        gets the residual stream entering each of `feature_layers`, side by side."""
+
+    def capture_features(self, layer_ids: Sequence[int]) -> None:
+        """From now on every `run` also returns, for every query row, the residual stream
+        entering each of these target layers (ForwardOutput.features, [T, len * H] in this
+        order): the features EAGLE-3 heads draft from. Set once, when the drafter is built."""
+        num_layers = len(self.model.layers)
+        if not layer_ids or any(not 0 <= i < num_layers for i in layer_ids):
+            raise ValueError(f"feature layer ids {list(layer_ids)} must be layers of the target's "
+                             f"{num_layers} (0 to {num_layers - 1})")
+        self.feature_layers = tuple(layer_ids)
+
+    def feature_buffer(self, num_tokens: int, device: torch.device) -> Tensor | None:  # [T, n * H] or None
+        """An uninitialised buffer for a forward's features, or None without capture."""
+        if not self.feature_layers:
+            return None
+        width = len(self.feature_layers) * self.model.config.hidden_size
+        return torch.empty(num_tokens, width, dtype=self.model.dtype, device=device)
 
     def run(self, inputs: StepInputs, kv_caches: list[PagedKV], device: torch.device) -> ForwardOutput:
         """One step: its inputs uploaded to `device`, the forward over `kv_caches`, and the
-        logits of the rows that need them."""
+        logits of the rows that need them (and every row's features when captured)."""
         input_ids, positions, meta, logit_rows = upload(inputs, device)
-        hidden = self.forward(input_ids, positions, kv_caches, meta)  # [T, H]
+        features = self.feature_buffer(input_ids.shape[0], device)
+        hidden = self.forward(input_ids, positions, kv_caches, meta, features)  # [T, H]
         hidden = hidden[logit_rows] if logit_rows.shape[0] < hidden.shape[0] else hidden
-        return ForwardOutput(self.model.compute_logits(hidden), hidden, inputs.num_rows)
+        return ForwardOutput(self.model.compute_logits(hidden), hidden, inputs.num_rows, features)
+
+    def _capture(self, features: Tensor | None) -> tuple[Sequence[int], Tensor] | None:
+        return None if features is None else (self.feature_layers, features)
 
     def use_linear_backend(self, backend: LinearBackend) -> None:
         """Repack every projection and the LM head for `backend` (see
@@ -69,8 +98,8 @@ class PythonLayers(Executor):
     """The model's own layers, run from Python over its backends."""
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[PagedKV],
-                meta: AttentionMetadata) -> Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+                meta: AttentionMetadata, features: Tensor | None = None) -> Tensor:
+        return self.model(input_ids, positions, kv_caches, meta, self._capture(features))
 
 
 class CppLayerLoop(Executor):
@@ -88,15 +117,16 @@ class CppLayerLoop(Executor):
         self.layers = build_layer_loop(self.model)  # the old loop points into the old packings
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[PagedKV],
-                meta: AttentionMetadata) -> Tensor:
+                meta: AttentionMetadata, features: Tensor | None = None) -> Tensor:
         kv = kv_caches[0]
         if self.layers is None or not decoder_cpu.supports_cache(kv):
-            return self.model(input_ids, positions, kv_caches, meta)
+            return self.model(input_ids, positions, kv_caches, meta, self._capture(features))
         model = self.model
         # The rows the cpp attention backend's plan would give its kernel, for every layer.
         rows = attention_cpu.plan_rows(meta, kv.k.shape[2])
         return self.layers.run(input_ids, positions, model.rope_cos, model.rope_sin, kv_caches, meta.slot_mapping,
-                               rows, model.config.head_dim**-0.5)  # the embedding and the final norm included
+                               rows, model.config.head_dim**-0.5,
+                               self._capture(features))  # the embedding and the final norm included
 
 
 def build_layer_loop(model: LlamaForCausalLM) -> decoder_cpu.DecoderLayers | None:

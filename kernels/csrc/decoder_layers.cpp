@@ -94,6 +94,11 @@ struct Step {
   int64_t num_groups, head_splits;
   int32_t num_threads;
   const float* final_norm;  // [hidden]: the model's final norm, applied after the last layer
+  // EAGLE-3's target features, or null: before layer capture_layers[k] runs, each token's
+  // hidden row is copied to columns [k * hidden, (k + 1) * hidden) of its capture row.
+  float* capture;  // [tokens, num_captures * hidden]
+  const int64_t* capture_layers;  // [num_captures] layer ids (repeats allowed)
+  int64_t num_captures;
 };
 
 }  // extern "C"
@@ -195,6 +200,16 @@ int32_t mlp(const Kernels& kernels, const Layer& layer, const Step& s, float* hi
 
 // hidden[t] = the embedding of token_ids[t] (exact dequantized values). Returns false if
 // an id is outside the table (nothing written).
+// The residual stream entering layer `layer`, into its columns of the capture buffer.
+void capture(const Step& s, int64_t layer, const float* hidden) {
+  if (s.capture == nullptr) return;
+  const int64_t width = s.num_captures * s.hidden;
+  for (int64_t k = 0; k < s.num_captures; ++k)
+    if (s.capture_layers[k] == layer)
+      for (int64_t t = 0; t < s.tokens; ++t)
+        std::memcpy(s.capture + t * width + k * s.hidden, hidden + t * s.hidden, s.hidden * sizeof(float));
+}
+
 bool embed(const Kernels& kernels, const Step& s, float* hidden) {
   for (int64_t t = 0; t < s.tokens; ++t)
     if (s.token_ids[t] < 0 || s.token_ids[t] >= s.embedding.rows) return false;
@@ -234,6 +249,7 @@ int32_t specdec_decoder_layers(const Kernels* kernels, const Layer* layers, int6
   if (!embed(*kernels, s, hidden)) return 3;
   int32_t status = 0;
   for (int64_t i = 0; i < num_layers && status == 0; ++i) {
+    capture(s, i, hidden);
     status = attend(*kernels, layers[i], s, hidden, b);
     if (status == 0) status = mlp(*kernels, layers[i], s, hidden, b);
   }

@@ -32,6 +32,11 @@ class Verified:
     tokens: list[int] = field(default_factory=list)  # accepted drafts, then one recovered/bonus token
     accepted_nodes: list[int] = field(default_factory=list)  # tree node ids of the accepted path
     hidden: torch.Tensor | None = None  # [H] hidden state of the row that produced the last token
+    # [n, F] the target's captured features (EAGLE-3) of the rows whose tokens the step
+    # keeps, positions features_start.. : its known tokens (a prefill chunk too), then the
+    # root and the accepted nodes; None when the executor captures none
+    features: torch.Tensor | None = None
+    features_start: int = 0
     logprobs: SampleLogprobs | None = None  # per token, when the request asked for logprobs
     error: str | None = None  # the request failed here (what its client is told); nothing to commit
 
@@ -61,7 +66,31 @@ def verify(
         _verify_trees(batch, trees, logits, output.num_rows, branching, starts, results)
     for i in active:
         _record(batch[i], output, starts[i], results[i])
+    if output.features is not None:
+        _keep_features(batch, trees, output.features, [i for i in range(len(batch)) if i not in faults], results)
     return results
+
+
+def _keep_features(batch: list[ScheduledRequest], trees: list[DraftTree], features: torch.Tensor,  # [T, F]
+                   kept: list[int], results: list[Verified]) -> None:
+    """Each kept request's features of the rows it keeps (see Verified.features), gathered
+    with one index over the step's query rows."""
+    query_starts = _row_starts([item.num_query_tokens(tree) for item, tree in zip(batch, trees)])
+    index: list[int] = []
+    spans = []
+    for i in kept:
+        item, first = batch[i], query_starts[i]
+        if results[i].tokens:  # the known tokens, the root, then the accepted path
+            root = first + item.num_new_tokens - 1
+            rows = [*range(first, root + 1), *(root + node for node in results[i].accepted_nodes)]
+        else:  # mid-prefill: every known token of the chunk
+            rows = list(range(first, first + item.num_new_tokens))
+        spans.append((i, len(index), len(rows)))
+        index += rows
+    gathered = features[torch.tensor(index, dtype=torch.long, device=features.device)]  # [sum n, F]
+    for i, offset, count in spans:
+        results[i].features = gathered[offset : offset + count]
+        results[i].features_start = batch[i].request.num_computed_tokens
 
 
 def _row_starts(num_rows: list[int]) -> list[int]:
