@@ -88,7 +88,7 @@ def pad_inputs(inputs: StepInputs, shape: GraphShape, block_size: int) -> StepIn
     module docstring."""
     padded = StepInputs([], [], [], [shape.query_len] * shape.batch_size, [], [], [],
                         [] if shape.masked else None, [])
-    start, padded_row = 0, {}  # flat row -> padded row
+    start, padded_row = 0, dict[int, int]()  # flat row -> padded row
     for b, q_len in enumerate(inputs.query_lens):
         end = start + q_len
         mask = inputs.masks[b] if inputs.masks is not None else torch.ones(q_len, q_len, dtype=torch.bool).tril()

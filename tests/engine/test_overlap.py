@@ -52,9 +52,9 @@ def stream(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
             streamed = [s for s in seen if s[0] == rid]
             if rid not in aborted and streamed and len(streamed[-1][1]) >= count:
                 aborted.add(rid)
-                out = engine.abort_request(rid)
-                if out is not None:
-                    seen.append(_entry(out))
+                aborted_out = engine.abort_request(rid)
+                if aborted_out is not None:
+                    seen.append(_entry(aborted_out))
     return seen
 
 
