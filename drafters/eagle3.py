@@ -142,7 +142,9 @@ class Eagle3Drafter(Drafter):
         self.attention = attention
         self.kv = kv  # the head's one layer of paged K/V
         self.block_manager = block_manager
-        self.topk = topk if branching else 1  # a chain: the best child of the best node
+        # Children per node: a chain takes the best child of the best node; never more than
+        # the draft vocabulary has tokens.
+        self.topk = min(topk if branching else 1, head.config.draft_vocab_size)
         self.scale = head.config.head_dim**-0.5
         self.contexts: dict[str, _HeadContext] = {}
 

@@ -196,3 +196,48 @@ def test_recomputed_and_skipped_positions(drafter: Eagle3Drafter) -> None:
     for request_id in ("p", "q", "gap", "skip"):
         drafter.free(request_id)
     assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks
+
+
+# ---- sampling over EAGLE-3 trees ----------------------------------------------------------------------
+
+
+def test_sampled_verification_of_eagle3_trees_follows_the_target(tiny_model_dir: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Temperature 1 over real EAGLE-3 trees (a head drafting among tokens 0..5, top-2,
+    depth 3): many requests, each a tree over a first-order Markov target, verified in one
+    batch; chi-square tests find the emitted tokens distributed as the target, and find a
+    verifier that does not take a rejected guess out of the residual (the control) wrong.
+    (tests/spec/test_tree_rejection.py's method, on the head's trees.)"""
+    from specdec.spec import tree_rejection
+    from specdec.spec.tree_rejection import tree_verify
+    from tests.fixtures import make_eagle3_head
+    from tests.spec.test_tree_rejection import N_TRIALS, P_BROKEN, P_OK, V, is_root_path, plain_st, pvalues, random_dist
+
+    head_dir = make_eagle3_head(tmp_path, tiny_model_dir, draft_vocab_size=V)
+    small = drafter_for(tiny_model_dir, head_dir, topk=2, depth=3, nodes=8)
+    shapes = []
+    with torch.inference_mode():
+        for seed in range(24):
+            ids = tokens(100 + seed, 8)
+            small.observe_features(f"s{seed}", 0, FEATURES[seed : seed + 7])
+            shapes.append(draft(small, f"s{seed}", ids, nodes=8, depth=3))
+    assert all(t.num_drafts == 8 and t.max_depth == 3 and max(t.token_ids[1:]) < V for t in shapes)
+    assert len({tuple(t.token_ids[1:]) + tuple(t.parents) for t in shapes}) > 4  # the trees vary
+    gen = torch.Generator().manual_seed(43)
+    target0, target_next = random_dist((V,), gen), random_dist((V, V), gen)
+    trees = [DraftTree([0, *t.token_ids[1:]], t.parents, chances=t.chances) for t in shapes]
+    trees = [trees[i % len(trees)] for i in range(N_TRIALS)]
+    rows = [torch.cat([target0[None], target_next[torch.tensor(t.token_ids[1:])]]) for t in trees]  # [9, V] each
+    logits = torch.cat(rows).log().float()
+    torch.manual_seed(44)
+    out = tree_verify(logits, trees, plain_st(len(trees)), None)
+    for o, tree in zip(out, trees):  # every answer: a root-to-node path, then one more token
+        assert is_root_path(tree, o.accepted_nodes) and o.tokens[:-1] == [tree.token_ids[i] for i in o.accepted_nodes]
+    lengths = torch.bincount(torch.tensor([len(o.tokens) for o in out]), minlength=5)
+    assert bool((lengths[1:] > 20).all()) and lengths[4] > 0, lengths  # rejections at every depth, and bonuses
+    p = pvalues(out, target0, target_next)
+    assert min(p) > P_OK, p
+
+    monkeypatch.setattr(tree_rejection, "residual_probs", lambda residual, draft: residual)
+    p = pvalues(tree_verify(logits, trees, plain_st(len(trees)), None), target0, target_next)
+    assert min(p[0], p[1]) < P_BROKEN, p

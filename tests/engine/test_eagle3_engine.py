@@ -222,3 +222,57 @@ def test_a_missing_head_is_named(tiny_model_dir: Path, tmp_path: Path) -> None:
 def test_a_head_for_another_target_is_refused(tiny_model_dir: Path, d32_head: Path) -> None:
     with pytest.raises(ValueError, match="aux_hidden_state_layer_ids|target_hidden_size"):
         LLM(str(tiny_model_dir), speculative_config=eagle3(d32_head))
+
+
+# ---- accepted drafts ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zero_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A target whose final norm is zero: every logit is 0, so greedy decoding emits token 0
+    forever, and a head drafting token 0 is always right."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_checkpoint(tmp_path_factory.mktemp("zero-target"))
+    weights = load_file(str(path / "model.safetensors"))
+    weights["model.norm.weight"] = torch.zeros_like(weights["model.norm.weight"])
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("draft_vocab, topk, nodes", [(1, 1, 0), (2, 2, 8)])
+def test_accepted_drafts_keep_the_head_in_step(zero_target: Path, tmp_path: Path, draft_vocab: int, topk: int,
+                                               nodes: int) -> None:
+    """Drafts the target accepts (their rows' features go to the head, a tree's accepted
+    path moves in the KV cache) keep every later step drafting: a head drafting token 0
+    alone (draft vocabulary [0]) is right at every depth, one drafting tokens 0 and 1 is
+    right along one path of its tree."""
+    head = make_eagle3_head(tmp_path, zero_target, draft_vocab_size=draft_vocab)
+    depth, max_tokens = 4, 41
+    plain_zero = LLM(str(zero_target), max_model_len=128, speculative_config=None)
+    spec = LLM(str(zero_target), max_model_len=128,
+               speculative_config=eagle3(head, depth, nodes, **({"eagle_topk": topk} if nodes else {})))
+    prompts = random_prompts(21, 3)
+    expected = token_ids(plain_zero.generate(prompts, greedy(max_tokens)))
+    assert all(set(tokens) == {0} for tokens in expected)
+    assert token_ids(spec.generate(prompts, greedy(max_tokens))) == expected
+    metrics = spec.get_metrics()
+    if draft_vocab == 1:  # every draft accepted: each verify step commits depth + 1 tokens
+        assert metrics["num_accepted_tokens"] == metrics["num_draft_tokens"] == depth * metrics["num_drafts"]
+        assert metrics["num_drafts"] == len(prompts) * (max_tokens - 1) // (depth + 1)
+    else:
+        assert metrics["num_accepted_tokens"] >= metrics["num_drafts"] > 0
+    assert_all_blocks_free(spec)
+    _check_drafter_empty(spec)
+
+
+def test_seeded_sampling_with_eagle3_trees_is_plain_sampling(plain: LLM, tiny_model_dir: Path,
+                                                             tiny_head: Path) -> None:
+    """Temperature 1, seeded: draws are keyed by position and the trees' guesses are
+    verified one-hot, so speculation commits exactly plain sampling's tokens."""
+    spec = LLM(str(tiny_model_dir), max_model_len=256, speculative_config=eagle3(tiny_head, 3, 8))
+    params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=seed) for seed in range(4)]
+    prompts = random_prompts(30, 4)
+    assert token_ids(spec.generate(prompts, params)) == token_ids(plain.generate(prompts, params))
+    assert spec.get_metrics()["num_drafts"] > 0
+    assert_all_blocks_free(spec)
