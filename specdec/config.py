@@ -236,7 +236,7 @@ class EngineConfig:
         None, "overlap scheduling: launch each step's forward before reading the previous step's sampled tokens "
               "back, which stay on the device and feed the next step's inputs, so the GPU does not wait for the "
               "host between steps; the host commits them (streaming, stop checks) one step late, with identical "
-              "outputs. Steps that verify drafts run synchronously (their drafter needs the tokens). None (auto): "
+              "outputs. Drafting and verifying steps run synchronously (drafts follow the tokens). None (auto): "
               "on for CUDA, off on the CPU (where host and device share the cores, so nothing overlaps)")
     chat_template: str | None = _option(None, "a Jinja chat template, or the path of a file holding one, used "
                                               "instead of the model's own (chat requests and LLM.chat)")

@@ -197,8 +197,11 @@ class LLMEngine:
         With overlap scheduling (specdec/overlap.py) a step of root-only trees is left in
         flight, its tokens on the device, and committed by the next call once that call's
         forward is launched (`_settle`): a call then returns the step before's outputs."""
-        outputs = self._settle() if self.pipeline.must_settle() else []
         batch = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if self.pipeline.must_settle(batch):  # drafts follow tokens still on the device: read them first
+            outputs = self._settle()
+            batch = [item for item in batch if not item.request.is_finished]
         if not batch:
             return outputs + self._settle()
         watch = Stopwatch()
@@ -405,9 +408,10 @@ def _without(batch: list[ScheduledRequest], trees: list[DraftTree],
 
 def _build_adaptive(engine: LLMEngine, drafter: Drafter | None) -> AdaptiveSpeculation:
     """Calibrate the target's forward cost now, while the KV pool is still empty."""
-    cost = calibrate(engine.runner.executor, engine.runner.kv_cache.layers, engine.config.block_size)
     spec = engine.config.speculative_config
     assert spec is not None
+    cost = calibrate(engine.runner.executor, engine.runner.kv_cache.layers, engine.config.block_size,
+                     max_query_len=1 + spec.num_lookahead_slots)
     return AdaptiveSpeculation(cost, whole_drafts=bool(spec.num_tree_nodes),
                                scored=drafter is not None and drafter.scores_nodes)
 

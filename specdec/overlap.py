@@ -24,13 +24,18 @@ How a step of root-only trees (plain decode, prefill chunks, requests without dr
   request with a token still pending, so no placeholder is ever recomputed. A request sure
   to end when its pending token lands (max_tokens reached) is not scheduled again.
 
-What does not overlap (the engine settles the in-flight step before scheduling):
+What does not overlap:
 
-- Verify steps. A request that may draft needs step n's tokens before its drafter looks
-  up (n-gram, suffix), its draft model or heads run and its policy grants: those host
-  lookups key on the tokens the step before committed, so they cannot run while the device
-  computes that step. Speculating requests therefore run synchronously; requests without
-  speculation overlap, also beside speculating ones in a step of root-only trees.
+- Drafting after a step in flight. The speculation policy's grants do not depend on the
+  tokens (they weigh acceptance statistics and step costs), so the scheduler grants with
+  tokens still on the device. When it grants drafts to a request whose last token is
+  there, the engine reads the step in flight back before drafting (`Pipeline.must_settle`):
+  the drafter's host lookups (n-gram, suffix), its draft model or heads, and grammar-forced
+  drafts all key on that token, so they cannot run while the device computes it. Steps in
+  which speculating requests are granted nothing (most steps of open text under adaptive
+  speculation) overlap like plain decoding.
+- Verify steps: verified on the host at once (their accepted tokens decide the next
+  drafts), so the step after one starts from known tokens.
 - Reading a step's logprobs, and grammar masks whose rows end up empty, wait for the
   device: such steps are correct but overlap less.
 
@@ -181,12 +186,11 @@ class Pipeline:
         step, self.in_flight = self.in_flight, None
         return step
 
-    def must_settle(self) -> bool:
-        """Before scheduling: a request of the step in flight may draft in the next one,
-        and its drafter needs the tokens still on the device."""
-        step = self.in_flight
-        return step is not None and any(item.request.use_speculation and not item.request.is_finished
-                                        for item in step.batch)
+    def must_settle(self, batch: Sequence[ScheduledRequest]) -> bool:
+        """Before drafting: a request granted drafts has its last token still on the
+        device, and its drafter (and grammar) must read it. The grants themselves do not
+        depend on the tokens, so a step that grants no such request overlaps."""
+        return any(item.num_draft_tokens and item.request.num_pending for item in batch)
 
     def feed(self, batch: Sequence[ScheduledRequest]) -> Feed | None:
         """The root tokens of `batch`'s requests that are still on the device: gathered

@@ -129,8 +129,8 @@ class Scheduler:
         return drafts
 
     def _draft_limit(self, request: Request, budget: int) -> DraftLimit | None:
-        if self.spec is None or not (request.is_decoding and request.use_speculation) or request.num_pending:
-            return None  # (a pending token: its drafts would follow tokens the host has not seen)
+        if self.spec is None or not (request.is_decoding and request.use_speculation):
+            return None
         depth = max(0, min(self.spec.num_speculative_tokens, budget - 1, self._room(request)))
         if depth == 0:
             return None
@@ -150,7 +150,7 @@ class Scheduler:
     def _room(self, request: Request) -> int:
         """Draft tokens that can still be committed: the step commits accepted + 1."""
         by_length = self.config.max_model_len - request.num_tokens - 1
-        by_max_tokens = request.max_tokens - request.num_output_tokens - 1
+        by_max_tokens = request.max_tokens - request.num_output_tokens - request.num_pending - 1
         return min(by_length, by_max_tokens)
 
     def _schedule_waiting(self, budget: _StepBudget) -> list[ScheduledRequest]:

@@ -182,6 +182,39 @@ def test_speculating_requests_beside_overlapped_ones(tiny_model_dir: Path, promp
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_adaptive_speculation_overlaps_steps_without_grants(tiny_model_dir: Path, prompts: list[list[int]],
+                                                            method: str) -> None:
+    """Grants do not depend on the tokens: a speculating request granted nothing stays
+    in flight like any other, and one granted drafts is read back before drafting. Greedy
+    outputs equal plain decoding's."""
+    expected = [o.outputs[0].token_ids for o in make_llm(tiny_model_dir, False).generate(prompts, greedy(24))]
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": True}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    llm = make_llm(tiny_model_dir, True, speculative_config=spec)
+    pipeline = llm.engine.pipeline
+    kept, settled_early = [], []
+    keep, must_settle = pipeline.keep, pipeline.must_settle
+
+    def recording_keep(step: Any) -> None:
+        kept.append(all(item.request.use_speculation for item in step.batch))
+        keep(step)
+
+    def recording_must_settle(batch: Any) -> bool:
+        settled_early.append(must_settle(batch))
+        return settled_early[-1]
+
+    pipeline.keep = recording_keep  # type: ignore[method-assign]
+    pipeline.must_settle = recording_must_settle  # type: ignore[method-assign]
+    outputs = llm.generate(prompts, greedy(24))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert any(kept) and any(settled_early)
+    if method == "ngram":  # (the tiny model's suffix trees may all be cut as not worth their rows)
+        assert llm.get_metrics()["num_drafts"] > 0
+    assert_all_blocks_free(llm)
+
+
 def test_triton_interpreter(tiny_model_dir: Path) -> None:
     """The same on the triton attention backend (its kernels run by Triton's interpreter)."""
     prompts = random_prompts(3, 3)
