@@ -25,7 +25,7 @@ from specdec.cuda_graphs import CudaGraphs  # noqa: E402
 from specdec.engine_args import add_engine_args  # noqa: E402
 from specdec.llm import LLM  # noqa: E402
 from specdec.outputs import RequestOutput  # noqa: E402
-from specdec.sampling_params import SamplingParams  # noqa: E402
+from specdec.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from tests.helpers import NGRAM, assert_all_blocks_free, block_bytes, greedy, random_prompts  # noqa: E402
 
 MAX_TOKENS = 12
@@ -33,7 +33,8 @@ MAX_TOKENS = 12
 
 def make_llm(model_dir: Path, overlap: bool, **options: Any) -> LLM:
     options.setdefault("speculative_config", None)
-    return LLM(str(model_dir), max_model_len=128, async_scheduling=overlap, **options)
+    options.setdefault("max_model_len", 128)
+    return LLM(str(model_dir), async_scheduling=overlap, **options)
 
 
 def stream(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
@@ -138,6 +139,21 @@ def test_seeded_sampling_and_logprobs(tiny_model_dir: Path, prompts: list[list[i
     runs = [make_llm(tiny_model_dir, overlap).generate(prompts, params) for overlap in (False, True)]
     assert [o.outputs[0].token_ids for o in runs[1]] == [o.outputs[0].token_ids for o in runs[0]]
     assert runs[1][0].outputs[0].logprobs == runs[0][0].outputs[0].logprobs
+
+
+def test_grammars_and_penalties(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    """Logits processors see every token before the one they decide: a step is sampled
+    only after the step before was committed (grammars advanced, penalties counted)."""
+    constraints = [StructuredOutputsParams(regex=r"(yes|no), [0-9]{2,4}!"),
+                   StructuredOutputsParams(choice=["red apple", "green pear", "blue"]),
+                   StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                                 "required": ["a"]})]
+    params = [SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=c) for c in constraints]
+    params.append(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, frequency_penalty=1.5,
+                                 presence_penalty=0.5, bad_words=["a"]))
+    seen = assert_same_runs(lambda o: make_llm(tiny_model_dir, o, max_model_len=256), prompts, params)
+    finals = {rid: text for rid, _, reason, text in seen if reason is not None}
+    assert finals["r1"] in ("red apple", "green pear", "blue")
 
 
 def test_abort_mid_generation(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
