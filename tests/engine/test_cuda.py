@@ -1,25 +1,31 @@
 """The engine's CUDA path: device choice, dtype "auto", the KV cache sized from
 gpu_memory_utilization, and CUDA graphs. The host-side parts (the choices, the sizing
 arithmetic, the graph shapes and the padding) are tested on the CPU; what needs a GPU is
-`cuda`-marked and skipped without one (tests/conftest.py).
+`cuda`-marked and skipped without one (tests/conftest.py): CUDA graphs with every drafter
+token-identical to plain decoding, in float32 and bf16, batched and one at a time;
+preemption and chunked prefill under the graphs; structured outputs on the GPU.
 
 On a GPU, run the `cuda` tests with compiled Triton kernels (the test session otherwise
-runs Triton's interpreter):  TRITON_INTERPRET=0 pytest -m cuda tests/engine/test_cuda.py
+runs Triton's interpreter):  TRITON_INTERPRET=0 .venv/bin/python -m pytest -m cuda tests
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from specdec import cuda_graphs
 from specdec.config import EngineConfig, auto_dtype, checkpoint_dtype
 from specdec.cuda_graphs import CudaGraphs, GraphShape, choose_shape, graph_batch_sizes, graph_shapes, pad_inputs
 from specdec.gpu_memory import draft_model_bytes, kv_cache_blocks, measure_used_bytes, profile_step, step_lengths
 from specdec.llm import LLM
 from specdec.model_runner import KVCache, StepInputs
 from specdec.models.config import ModelConfig
-from tests.helpers import NGRAM, assert_all_blocks_free, greedy, random_prompts, token_ids
+from tests.engine.test_structured_outputs import UNBOUNDED, check, constrained
+from tests.helpers import NGRAM, assert_all_blocks_free, block_bytes, greedy, random_prompts, token_ids
 
 CUDA = torch.device("cuda")
 GiB = 1 << 30
@@ -68,7 +74,7 @@ def test_cuda_config_resolves_auto_options(seen_gpu: None, tiny_model_dir: Path)
     assert config.dtype == torch.bfloat16  # a float32 checkpoint on a bf16 GPU
     assert config.kv_cache_memory == 0  # sized from gpu_memory_utilization
     config.validate()
-    assert config.linear_backend == "fp32"  # F.linear: the packed backends are CPU kernels
+    assert config.linear_backend == "triton"  # the batch-invariant GEMM: cuBLAS rounds by row count
     assert EngineConfig(model=str(tiny_model_dir), dtype="fp16").dtype == torch.float16  # type: ignore[arg-type]
     assert EngineConfig(model=str(tiny_model_dir), kv_cache_memory=1 << 20).kv_cache_memory == 1 << 20
 
@@ -222,9 +228,9 @@ def compiled_triton() -> None:
                     "TRITON_INTERPRET=0 pytest -m cuda tests/engine/test_cuda.py")
 
 
-def cuda_llm(model_dir: Path, **options: object) -> LLM:
-    return LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=128, max_num_seqs=4,
-               kv_cache_memory=1 << 24, **options)
+def cuda_llm(model_dir: Path, dtype: str = "float32", **options: object) -> LLM:
+    options = {"max_model_len": 128, "kv_cache_memory": 1 << 24, **options}
+    return LLM(str(model_dir), device="cuda", dtype=dtype, max_num_seqs=4, **options)
 
 
 @pytest.mark.cuda
@@ -263,3 +269,129 @@ def test_dtype_auto_on_cuda_runs_in_half_precision(compiled_triton: None, tiny_m
     out = llm.generate(random_prompts(6, 2), greedy(8))
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
     assert_all_blocks_free(llm)
+
+
+# ---- every drafter, preemption and grammars in CUDA graphs ------------------------------------------------------
+
+DRAFTERS = ["ngram", "suffix", "draft_model", "draft_model_tree", "medusa", "recurrent_heads", "hybrid"]
+
+
+@pytest.fixture
+def drafter_dirs(tiny_draft_dir: Path, tiny_medusa_dir: Path, tiny_recurrent_dir: Path) -> dict[str, Path]:
+    return {"draft": tiny_draft_dir, "medusa": tiny_medusa_dir, "recurrent": tiny_recurrent_dir}
+
+
+def drafter_config(method: str, dirs: dict[str, Path]) -> dict[str, Any]:
+    """Every drafter, chains and trees, at sizes the tiny checkpoints draft well with."""
+    return {
+        "ngram": NGRAM,
+        "suffix": {"method": "suffix", "num_speculative_tokens": 4, "num_tree_nodes": 8, "suffix_min_prob": 0.0},
+        "draft_model": {"method": "draft_model", "model": str(dirs["draft"]), "num_speculative_tokens": 3},
+        "draft_model_tree": {"method": "draft_model", "model": str(dirs["draft"]), "num_speculative_tokens": 3,
+                             "num_tree_nodes": 6},
+        "medusa": {"method": "medusa", "model": str(dirs["medusa"]), **MEDUSA_TREE},
+        "recurrent_heads": {"method": "medusa", "model": str(dirs["recurrent"]), "num_speculative_tokens": 4,
+                            "num_tree_nodes": 6},
+        "hybrid": {"method": "hybrid", "model": str(dirs["recurrent"]), "num_speculative_tokens": 4,
+                   "num_tree_nodes": 8},
+    }[method]
+
+
+@dataclass
+class GraphSteps:
+    """The graph shapes CudaGraphs chose, step by step (None: the step ran eagerly)."""
+
+    shapes: list[GraphShape | None]
+
+    @property
+    def verified_in_graphs(self) -> bool:
+        return any(shape is not None and shape.query_len > 1 for shape in self.shapes)
+
+
+@pytest.fixture
+def graph_steps(monkeypatch: pytest.MonkeyPatch) -> GraphSteps:
+    steps = GraphSteps([])
+
+    def choose(inputs: StepInputs, shapes: list[GraphShape]) -> GraphShape | None:
+        steps.shapes.append(choose_shape(inputs, shapes))
+        return steps.shapes[-1]
+
+    monkeypatch.setattr(cuda_graphs, "choose_shape", choose)
+    return steps
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("method", DRAFTERS)
+def test_every_drafter_in_cuda_graphs_is_token_identical_to_plain(method: str, dtype: str, compiled_triton: None,
+                                                                  tiny_model_dir: Path, drafter_dirs: dict[str, Path],
+                                                                  graph_steps: GraphSteps) -> None:
+    """Lossless on the GPU: greedy output equal to plain decoding's in the same dtype, for
+    a batch and for each prompt alone, with the verify steps replayed from graphs."""
+    prompts = random_prompts(11, 4)
+    plain = cuda_llm(tiny_model_dir, dtype)
+    expected = token_ids(plain.generate(prompts, greedy(24)))
+    spec = cuda_llm(tiny_model_dir, dtype, speculative_config=drafter_config(method, drafter_dirs))
+    assert isinstance(spec.engine.runner.executor, CudaGraphs)
+    graph_steps.shapes.clear()
+    assert token_ids(spec.generate(prompts, greedy(24))) == expected
+    assert [token_ids(spec.generate([prompt], greedy(24)))[0] for prompt in prompts] == expected
+    assert spec.get_metrics()["num_drafts"] > 0 and graph_steps.verified_in_graphs
+    assert_all_blocks_free(spec)
+
+
+def preempting_llm(model_dir: Path, device: str, speculative_config: dict[str, Any] | None, block: int) -> LLM:
+    """Chunked prefill (24-token steps) and preemption (9 KV blocks of `block` bytes for 6
+    requests), as tests/engine/test_speculative.py runs them on the CPU."""
+    return LLM(str(model_dir), device=device, dtype="float32", max_num_seqs=4, max_model_len=128,
+               max_num_batched_tokens=24, kv_cache_memory=9 * block, speculative_config=speculative_config)
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "hybrid"])
+def test_the_preemption_config_preempts_on_the_cpu(method: str, tiny_model_dir: Path,
+                                                   drafter_dirs: dict[str, Path]) -> None:
+    """The CPU run of the GPU test below: same options, same outputs as without pressure,
+    and it does preempt (so the GPU test's claim is not empty)."""
+    spec = None if method == "plain" else drafter_config(method, drafter_dirs)
+    prompts = random_prompts(100, 6)
+    reference = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=4)
+    expected = token_ids(reference.generate(prompts, greedy()))
+    tight = preempting_llm(tiny_model_dir, "cpu", spec, block_bytes(reference))
+    assert token_ids(tight.generate(prompts, greedy())) == expected
+    assert tight.get_metrics()["num_preemptions"] > 0
+    assert_all_blocks_free(tight)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft_model", "hybrid"])
+def test_preemption_under_cuda_graphs_changes_no_token(method: str, compiled_triton: None, tiny_model_dir: Path,
+                                                      drafter_dirs: dict[str, Path], graph_steps: GraphSteps) -> None:
+    spec = None if method == "plain" else drafter_config(method, drafter_dirs)
+    prompts = random_prompts(100, 6)
+    reference = cuda_llm(tiny_model_dir)
+    expected = token_ids(reference.generate(prompts, greedy()))
+    tight = preempting_llm(tiny_model_dir, "cuda", spec, block_bytes(reference))
+    assert isinstance(tight.engine.runner.executor, CudaGraphs)
+    graph_steps.shapes.clear()
+    assert token_ids(tight.generate(prompts, greedy())) == expected
+    assert tight.get_metrics()["num_preemptions"] > 0
+    assert any(shape is not None for shape in graph_steps.shapes)  # decode steps replayed between the preemptions
+    assert_all_blocks_free(tight)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["json", "regex", "choice", "lark"])
+def test_structured_outputs_on_cuda_follow_the_grammar_and_speculation_changes_nothing(
+        name: str, compiled_triton: None, tiny_model_dir: Path, drafter_dirs: dict[str, Path]) -> None:
+    prompts = random_prompts(5, 3)
+    plain = cuda_llm(tiny_model_dir, max_model_len=256)
+    expected = plain.generate(prompts, constrained(name))
+    for out in expected:
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop" or name in UNBOUNDED
+        if completion.finish_reason == "stop":
+            check(name, completion.text)
+    for method in ("ngram", "hybrid"):  # a chain and a tree
+        spec = cuda_llm(tiny_model_dir, max_model_len=256, speculative_config=drafter_config(method, drafter_dirs))
+        assert token_ids(spec.generate(prompts, constrained(name))) == token_ids(expected), method
+        assert_all_blocks_free(spec)
