@@ -436,28 +436,45 @@ class Stopwatch:
 
 
 @torch.inference_mode()
-def calibrate(executor: Executor, kv_layers: list[PagedKV], block_size: int,
+def calibrate(executor: Executor, kv_layers: list[PagedKV], block_size: int, max_query_len: int | None = None,
               context: int = 64, repeats: int = 3) -> CostModel:
-    """The verify-cost table: the seconds of a step of one request over T query tokens
+    """The verify-cost table: the seconds of a step over T query tokens, each request's
     after `context` cached ones (kv_layers: the model's per-layer paged caches), run as the
     engine runs its steps (`Executor.run`: on CUDA a captured graph where one holds the
     step), timed on the device's clock (CUDA events there, see step_timer.measure_seconds).
+    T tokens are one request's, or with max_query_len (the most a request verifies: 1 + its
+    lookahead) as few requests as hold them: the steps the engine can run (on CUDA the
+    graphs it captured for them, not eager forwards of shapes no step has).
 
     Writes KV into the first blocks of the pool: call it before any request is admitted.
     """
     device = kv_layers[0].k.device
     seconds = []
     for size in CALIBRATION_SIZES:
-        step = partial(executor.run, _synthetic_step(size, context, block_size), kv_layers, device)
+        inputs = _synthetic_step(size, max_query_len or size, context, block_size)
+        step = partial(executor.run, inputs, kv_layers, device)
         seconds.append(min(measure_seconds(step, device) for _ in range(repeats)))
     return CostModel(list(CALIBRATION_SIZES), seconds)
 
 
-def _synthetic_step(size: int, context: int, block_size: int) -> StepInputs:
-    """One request's step of `size` query tokens after `context` cached ones, in blocks 0,
-    1, ... in order (slot == position), every row's logits wanted."""
-    total = context + size
-    positions = list(range(context, total))
-    return StepInputs(token_ids=[0] * size, positions=positions, slots=list(positions), query_lens=[size],
-                      seq_lens=[total], block_tables=[list(range(-(-total // block_size)))], num_rows=[size],
-                      masks=None, logit_rows=list(range(size)))
+def _synthetic_step(size: int, max_query_len: int, context: int, block_size: int) -> StepInputs:
+    """A step of `size` query tokens in requests of at most max_query_len, each after
+    `context` cached ones in blocks of its own, the pool's first ones in order (so a slot is
+    its request's first block's first slot plus the position); every row's logits wanted."""
+    inputs = StepInputs([], [], [], [], [], [], [], None, [])
+    first_block = 0
+    for start in range(0, size, max_query_len):
+        query = min(max_query_len, size - start)
+        total = context + query
+        num_blocks = -(-total // block_size)
+        positions = list(range(context, total))
+        inputs.token_ids += [0] * query
+        inputs.positions += positions
+        inputs.slots += [first_block * block_size + p for p in positions]
+        inputs.query_lens.append(query)
+        inputs.seq_lens.append(total)
+        inputs.block_tables.append(list(range(first_block, first_block + num_blocks)))
+        inputs.num_rows.append(query)
+        first_block += num_blocks
+    inputs.logit_rows = list(range(size))
+    return inputs

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from specdec.spec.adaptive import PROBE_EVERY, AdaptiveSpeculation, CostModel
+from specdec.spec.adaptive import CALIBRATION_SIZES, PROBE_EVERY, AdaptiveSpeculation, CostModel, calibrate
 from specdec.spec.policy import DraftLimit, StepReport
 from specdec.spec.step_timer import CudaEventTimer, HostTimer, StepTimer, measure_seconds, step_timer
 
@@ -71,7 +71,7 @@ def test_cuda_event_timer_reads_a_step_once_its_last_event_passed() -> None:
         events.append(FakeEvent(gpu))
         return events[-1]
 
-    timer = CudaEventTimer(new_event)  # type: ignore[arg-type]
+    timer = CudaEventTimer(new_event)
     timer.start()
     gpu.run(0.002)  # drafting
     timer.drafted()
@@ -99,7 +99,7 @@ def test_cuda_event_timer_reads_a_step_once_its_last_event_passed() -> None:
 
 def test_a_step_that_failed_before_its_forward_is_not_reported() -> None:
     gpu = FakeGpu()
-    timer = CudaEventTimer(lambda: FakeEvent(gpu))  # type: ignore[arg-type, return-value]
+    timer = CudaEventTimer(lambda: FakeEvent(gpu))
     timer.start()  # drafting failed for every request: no drafted(), no finish()
     timer.start()
     timer.drafted()
@@ -134,7 +134,7 @@ class Rig:
     def __init__(self, make_timer: str) -> None:
         self.gpu = FakeGpu()
         self.timer: StepTimer = (HostTimer(lambda: self.gpu.now) if make_timer == "host"
-                                 else CudaEventTimer(lambda: FakeEvent(self.gpu)))  # type: ignore[arg-type, return-value]
+                                 else CudaEventTimer(lambda: FakeEvent(self.gpu)))
         self.policy = AdaptiveSpeculation(CostModel([1, 2, 4, 8], [0.01, 0.02, 0.04, 0.08]), whole_drafts=False)
         self.steps = 0
 
@@ -181,3 +181,37 @@ def test_the_policys_grants_follow_the_timed_costs(timer: str) -> None:
 def only_probes(grants: list[int]) -> bool:
     """Nothing but a one-token probe every PROBE_EVERY steps."""
     return max(grants) <= 1 and sum(grants) <= len(grants) // PROBE_EVERY + 1
+
+
+# ---- the start-up verify-cost table ------------------------------------------------------------------------
+
+
+class RecordingExecutor:
+    """Records the steps calibrate runs."""
+
+    def __init__(self) -> None:
+        self.steps: list[Any] = []
+
+    def run(self, inputs: Any, kv_caches: Any, device: torch.device) -> None:
+        self.steps.append(inputs)
+
+
+def test_calibration_runs_the_steps_the_engine_can_run() -> None:
+    """T rows as requests of at most 1 + the lookahead (on CUDA: the captured graphs' shapes),
+    each after its own context in blocks of its own."""
+    executor = RecordingExecutor()
+    kv: Any = [SimpleNamespace(k=torch.zeros(1))]
+    cost = calibrate(executor, kv, block_size=16, max_query_len=17, repeats=1)  # type: ignore[arg-type]
+    assert cost.sizes == list(CALIBRATION_SIZES) and all(s > 0 for s in cost.seconds)
+    by_size = {sum(step.query_lens): step for step in executor.steps}
+    assert by_size[16].query_lens == [16] and by_size[64].query_lens == [17, 17, 17, 13]
+    step = by_size[64]
+    assert step.seq_lens == [64 + q for q in step.query_lens] and step.logit_rows == list(range(64))
+    blocks = [b for table in step.block_tables for b in table]
+    assert len(blocks) == len(set(blocks))  # no two requests share a block
+    for b, table in enumerate(step.block_tables):
+        rows = slice(sum(step.query_lens[:b]), sum(step.query_lens[: b + 1]))
+        assert [s // 16 for s in step.slots[rows]] == [table[p // 16] for p in step.positions[rows]]
+    single = RecordingExecutor()
+    calibrate(single, kv, block_size=16, repeats=1)  # type: ignore[arg-type]
+    assert [s.query_lens for s in single.steps] == [[size] for size in CALIBRATION_SIZES]
