@@ -442,16 +442,18 @@ def calibrate(executor: Executor, kv_layers: list[PagedKV], block_size: int, max
     after `context` cached ones (kv_layers: the model's per-layer paged caches), run as the
     engine runs its steps (`Executor.run`: on CUDA a captured graph where one holds the
     step), timed on the device's clock (CUDA events there, see step_timer.measure_seconds).
-    T tokens are one request's, or with max_query_len (the most a request verifies: 1 + its
-    lookahead) as few requests as hold them: the steps the engine can run (on CUDA the
-    graphs it captured for them, not eager forwards of shapes no step has).
+    T tokens are one request's; on CUDA, given max_query_len (the most a request verifies:
+    1 + its lookahead), as few requests as hold them: the steps the engine can run there, so
+    the graphs captured for them are timed, not eager forwards of shapes no step has. (On the
+    CPU every step runs eagerly; one request's rows keep the prior the policy was tuned on.)
 
     Writes KV into the first blocks of the pool: call it before any request is admitted.
     """
     device = kv_layers[0].k.device
     seconds = []
     for size in CALIBRATION_SIZES:
-        inputs = _synthetic_step(size, max_query_len or size, context, block_size)
+        per_request = max_query_len if max_query_len and device.type == "cuda" else size
+        inputs = _synthetic_step(size, per_request, context, block_size)
         step = partial(executor.run, inputs, kv_layers, device)
         seconds.append(min(measure_seconds(step, device) for _ in range(repeats)))
     return CostModel(list(CALIBRATION_SIZES), seconds)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from specdec.spec import adaptive
 from specdec.spec.adaptive import CALIBRATION_SIZES, PROBE_EVERY, AdaptiveSpeculation, CostModel, calibrate
 from specdec.spec.policy import DraftLimit, StepReport
 from specdec.spec.step_timer import CudaEventTimer, HostTimer, StepTimer, measure_seconds, step_timer
@@ -196,11 +197,12 @@ class RecordingExecutor:
         self.steps.append(inputs)
 
 
-def test_calibration_runs_the_steps_the_engine_can_run() -> None:
-    """T rows as requests of at most 1 + the lookahead (on CUDA: the captured graphs' shapes),
-    each after its own context in blocks of its own."""
+def test_calibration_runs_the_steps_the_engine_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, T rows as requests of at most 1 + the lookahead (the captured graphs'
+    shapes), each after its own context in blocks of its own; on the CPU one request."""
+    monkeypatch.setattr(adaptive, "measure_seconds", lambda fn, device: measure_seconds(fn, torch.device("cpu")))
     executor = RecordingExecutor()
-    kv: Any = [SimpleNamespace(k=torch.zeros(1))]
+    kv: Any = [SimpleNamespace(k=SimpleNamespace(device=torch.device("cuda")))]  # nothing runs there
     cost = calibrate(executor, kv, block_size=16, max_query_len=17, repeats=1)  # type: ignore[arg-type]
     assert cost.sizes == list(CALIBRATION_SIZES) and all(s > 0 for s in cost.seconds)
     by_size = {sum(step.query_lens): step for step in executor.steps}
@@ -212,6 +214,8 @@ def test_calibration_runs_the_steps_the_engine_can_run() -> None:
     for b, table in enumerate(step.block_tables):
         rows = slice(sum(step.query_lens[:b]), sum(step.query_lens[: b + 1]))
         assert [s // 16 for s in step.slots[rows]] == [table[p // 16] for p in step.positions[rows]]
-    single = RecordingExecutor()
-    calibrate(single, kv, block_size=16, repeats=1)  # type: ignore[arg-type]
-    assert [s.query_lens for s in single.steps] == [[size] for size in CALIBRATION_SIZES]
+    for device, max_query_len in (("cuda", None), ("cpu", 17)):  # one request of every size
+        single = RecordingExecutor()
+        kv[0] = SimpleNamespace(k=SimpleNamespace(device=torch.device(device)))
+        calibrate(single, kv, block_size=16, max_query_len=max_query_len, repeats=1)  # type: ignore[arg-type]
+        assert [s.query_lens for s in single.steps] == [[size] for size in CALIBRATION_SIZES]
