@@ -63,6 +63,11 @@ class Drafter(ABC):
         """The trees with the option run for the chosen requests (indices into both lists)."""
         return trees
 
+    def ready(self, request: DraftRequest) -> bool:
+        """Whether the drafter holds what it drafts `request` from (a learned drafter: the
+        target's hidden state or features up to the root); without it, it drafts nothing."""
+        return True
+
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:  # hidden [H]
         """The target's final hidden state at the row that produced the request's newest
         committed token (what its logits came from); called after each commit when
@@ -98,6 +103,9 @@ class HiddenReader(Drafter):
 
     def has_hidden(self, request_id: str) -> bool:
         return request_id in self._hidden
+
+    def ready(self, request: DraftRequest) -> bool:
+        return self.has_hidden(request.request_id)
 
     def target_hidden(self, request_id: str) -> torch.Tensor:  # [H]
         """The request's hidden state (ask only when `has_hidden`)."""

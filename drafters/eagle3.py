@@ -127,10 +127,6 @@ class _Growth:
                 node = self.parent(node)
         return sorted(nodes)
 
-    def tree(self, max_drafts: int) -> DraftTree:
-        scored = ScoredDraft.from_expansion(self.root, self.candidates, max_drafts)
-        return DraftTree(scored.tree.token_ids, scored.tree.parents, chances=scored.probs)
-
 
 class Eagle3Drafter(Drafter):
     scores_nodes = True
@@ -224,10 +220,15 @@ class Eagle3Drafter(Drafter):
 
     # ---- drafting -----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
-        trees = [DraftTree([r.token_ids[-1]], [-1], chances=[1.0]) for r in requests]
-        ready = self._make_room(requests, [i for i, r in enumerate(requests) if self._ready(r)])
+        return [DraftTree(d.tree.token_ids, d.tree.parents, chances=d.probs) for d in self.scored_trees(requests)]
+
+    @torch.inference_mode()
+    def scored_trees(self, requests: list[DraftRequest]) -> list[ScoredDraft]:
+        """Each request's dynamic tree with every node's path probability (the root alone
+        for a request not `ready`, or whose rows do not fit in the head's cache)."""
+        trees = [ScoredDraft.root_only(r.token_ids[-1]) for r in requests]
+        ready = self._make_room(requests, [i for i, r in enumerate(requests) if self.ready(r)])
         if not ready:
             return trees
         contexts = [self.contexts[requests[i].request_id] for i in ready]
@@ -241,11 +242,11 @@ class Eagle3Drafter(Drafter):
         for depth in range(2, 1 + max(g.depth for g in growths)):
             self._expand([g for g in growths if g.depth >= depth])
         for i, growth, context in zip(ready, growths, contexts, strict=True):
-            trees[i] = growth.tree(requests[i].num_draft_tokens)
+            trees[i] = ScoredDraft.from_expansion(growth.root, growth.candidates, requests[i].num_draft_tokens)
             self.block_manager.truncate(context.shadow, context.shadow.num_computed_tokens)
         return trees
 
-    def _ready(self, request: DraftRequest) -> bool:
+    def ready(self, request: DraftRequest) -> bool:
         """Whether every position before the root has its feature (run or pending)."""
         context = self.contexts.get(request.request_id)
         return (context is not None and context.end == len(request.token_ids) - 1

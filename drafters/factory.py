@@ -20,11 +20,15 @@ def build_drafter(context: DrafterContext) -> Drafter:
 
         return SuffixDrafter(spec)
     if spec.method == "hybrid":
+        from specdec.drafters.eagle3 import Eagle3Drafter, is_eagle3_dir
         from specdec.drafters.hybrid import HybridDrafter
         from specdec.drafters.medusa import build_recurrent_heads
+        from specdec.drafters.recurrent_drafter import RecurrentDrafter
         from specdec.drafters.suffix import SuffixDrafter
 
-        heads = build_recurrent_heads(context) if spec.model else None
+        heads: RecurrentDrafter | Eagle3Drafter | None = None
+        if spec.model:  # an EAGLE-3 head's directory, else recurrent Medusa heads
+            heads = Eagle3Drafter.from_context(context) if is_eagle3_dir(spec.model) else build_recurrent_heads(context)
         return HybridDrafter(SuffixDrafter(spec), heads)
     if spec.method == "draft_model":
         from specdec.drafters.draft_model import DraftModelDrafter
@@ -52,9 +56,15 @@ def device_bytes(spec: SpeculativeConfig | None, block_size: int, dtype: torch.d
         from specdec.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.device_bytes(spec.model, block_size, dtype, max_num_seqs)
-    if spec is not None and spec.method == "eagle3" and spec.model:
+    if spec is not None and spec.method in ("eagle3", "hybrid") and spec.model and _is_eagle3(spec.model):
         from specdec.drafters.eagle3 import Eagle3Drafter
 
         tree_rows = spec.eagle_topk * spec.num_speculative_tokens
         return Eagle3Drafter.device_bytes(spec.model, block_size, dtype, max_num_seqs, tree_rows)
     return 0, 0
+
+
+def _is_eagle3(name: str) -> bool:
+    from specdec.drafters.eagle3 import is_eagle3_dir
+
+    return is_eagle3_dir(name)

@@ -3,8 +3,9 @@ that is worth its cost, merged into one tree.
 
 Two drafters serve it. Suffix decoding (suffix.py) drafts from the request's own text and
 from earlier requests' outputs in microseconds, and is often right for long stretches when
-it finds a match. Learned heads (recurrent Medusa heads, recurrent_drafter.py) cost a few
-small forwards a step but guess open text, where suffix decoding finds nothing.
+it finds a match. Learned heads (recurrent Medusa heads, recurrent_drafter.py, or an EAGLE-3
+head, eagle3.py) cost a few small forwards a step but guess open text, where suffix
+decoding finds nothing.
 
 Each step the suffix draft is made first. A node's chance is its parent's times its
 share of the parent's continuations (empirical frequencies) times a calibration measured
@@ -23,7 +24,8 @@ Every guess is deterministic (verified one-hot), so the merged tree is verified 
 either drafter's tree would be: lossless for greedy and sampled requests alike.
 
 What the target accepted is read back from the request's tokens at its next step (the
-Drafter contract's reconciliation), so the drafter needs no hook in the engine.
+Drafter contract's reconciliation); the heads get the target's hidden states or features
+through the engine's hooks, which the hybrid passes on.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdec.drafters.base import Drafter, DraftRequest
+from specdec.drafters.eagle3 import Eagle3Drafter
 from specdec.drafters.recurrent_drafter import RecurrentDrafter
 from specdec.drafters.suffix import SuffixDraft, SuffixDrafter
 from specdec.spec.adaptive import LineFit
@@ -48,6 +51,11 @@ REQUEST_DISCOUNT = 0.8
 # were the fastest of their settings on open chat); suffix decoding drafts the long runs.
 HEADS_MAX_DEPTH = 5
 HEADS_MAX_NODES = 6
+# An EAGLE-3 head's guesses hold on deeper (trained on its own outputs, its chances are
+# path probabilities): it may offer larger trees, which the policy cuts by chance. Not yet
+# measured against the recurrent heads' sizes.
+EAGLE3_MAX_DEPTH = 6
+EAGLE3_MAX_NODES = 12
 # Suffix guesses are calibrated per cell: the band of the match length they continue
 # (2, 3, 4-7, 8-15 or 16+ tokens) and their depth (1, 2, 3+), each given that its parent
 # was accepted. Over evals/prompts' categories, each guess judged once the committed tokens
@@ -128,7 +136,7 @@ class _HeadsWorth:
 @dataclass
 class HybridDrafter(Drafter):
     suffix: SuffixDrafter
-    heads: RecurrentDrafter | None
+    heads: RecurrentDrafter | Eagle3Drafter | None
     suffix_calibrations: list[list[_Calibration]] = field(default_factory=_cell_priors)  # [band][depth cell]
     heads_calibration: _Calibration = field(default_factory=_Calibration)
     heads_total: _HeadsWorth = field(default_factory=lambda: _HeadsWorth(1.0, 1.0))
@@ -155,8 +163,9 @@ class HybridDrafter(Drafter):
         if self.heads is None:
             return None
         gains = {i: self._heads_worth(r.request_id).mean - _expected(trees[i])
-                 for i, r in enumerate(requests) if self.heads.has_hidden(r.request_id)}
-        rows = {i: max(min(requests[i].num_draft_tokens, HEADS_MAX_NODES) - trees[i].num_drafts, 0) for i in gains}
+                 for i, r in enumerate(requests) if self.heads.ready(r)}
+        rows = {i: max(min(requests[i].num_draft_tokens, self._heads_limits[1]) - trees[i].num_drafts, 0)
+                for i in gains}
         return DraftOption(gains, rows, self._heads_time)
 
     def extend(self, requests: list[DraftRequest], trees: list[DraftTree], chosen: list[int]) -> list[DraftTree]:
@@ -175,11 +184,19 @@ class HybridDrafter(Drafter):
 
     @property
     def reads_hidden(self) -> bool:  # type: ignore[override]
-        return self.heads is not None
+        return self.heads is not None and self.heads.reads_hidden
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:  # type: ignore[override]
+        return self.heads.feature_layers if self.heads is not None else ()
 
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:  # hidden [H]
         if self.heads is not None:
             self.heads.observe_hidden(request_id, hidden)
+
+    def observe_features(self, request_id: str, start: int, features: torch.Tensor) -> None:  # features [n, F]
+        if self.heads is not None:
+            self.heads.observe_features(request_id, start, features)
 
     def free(self, request_id: str) -> None:
         if self.heads is not None:
@@ -207,6 +224,13 @@ class HybridDrafter(Drafter):
             chances.append(chances[parent] * min(_conditional(probs, parent, i) * factor, 1.0))
         return ScoredDraft(tree, chances)
 
+    @property
+    def _heads_limits(self) -> tuple[int, int]:
+        """(depth, nodes) the heads draft at most."""
+        if isinstance(self.heads, Eagle3Drafter):
+            return EAGLE3_MAX_DEPTH, EAGLE3_MAX_NODES
+        return HEADS_MAX_DEPTH, HEADS_MAX_NODES
+
     def _heads_time(self, num_requests: int) -> float:
         if self.heads_seconds.w == 0:
             return 0.0
@@ -217,8 +241,9 @@ class HybridDrafter(Drafter):
         if not requests or self.heads is None:
             return []
         start = time.perf_counter()
-        drafts = self.heads.scored_trees([replace(r, num_draft_tokens=min(r.num_draft_tokens, HEADS_MAX_NODES),
-                                                  max_depth=min(r.max_depth, HEADS_MAX_DEPTH)) for r in requests])
+        depth, nodes = self._heads_limits
+        drafts = self.heads.scored_trees([replace(r, num_draft_tokens=min(r.num_draft_tokens, nodes),
+                                                  max_depth=min(r.max_depth, depth)) for r in requests])
         self.heads_seconds.add(len(requests), time.perf_counter() - start)
         return drafts
 

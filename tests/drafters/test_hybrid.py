@@ -73,8 +73,13 @@ class FakeHeads:
     guess: list[int]
     calls: list[list[str]] = field(default_factory=list)
 
+    reads_hidden = True
+
     def has_hidden(self, request_id: str) -> bool:
         return True  # as if the target had run every request
+
+    def ready(self, request: DraftRequest) -> bool:
+        return True
 
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
         pass

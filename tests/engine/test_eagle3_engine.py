@@ -276,3 +276,58 @@ def test_seeded_sampling_with_eagle3_trees_is_plain_sampling(plain: LLM, tiny_mo
     assert token_ids(spec.generate(prompts, params)) == token_ids(plain.generate(prompts, params))
     assert spec.get_metrics()["num_drafts"] > 0
     assert_all_blocks_free(spec)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_hybrid_with_an_eagle3_head_is_lossless(plain: LLM, tiny_model_dir: Path, tiny_head: Path,
+                                                adaptive: bool) -> None:
+    """The hybrid drafter takes an EAGLE-3 head as its costlier option beside suffix drafts."""
+    from specdec.drafters.hybrid import HybridDrafter
+
+    spec = LLM(str(tiny_model_dir), max_model_len=256, speculative_config={
+        "method": "hybrid", "model": str(tiny_head), "num_speculative_tokens": 6, "num_tree_nodes": 12,
+        "adaptive": adaptive})
+    drafter = spec.engine.drafter
+    assert isinstance(drafter, HybridDrafter) and isinstance(drafter.heads, Eagle3Drafter)
+    assert spec.engine.runner.executor.feature_layers == (0, 1, 1) and not drafter.reads_hidden
+    prompts = random_prompts(50, 4)
+    assert token_ids(spec.generate(prompts, greedy())) == token_ids(plain.generate(prompts, greedy()))
+    if not adaptive:  # the fixed policy takes every option offered: the head drafted
+        assert drafter.heads_seconds.w > 0
+    assert drafter.heads.contexts == {} and drafter.heads.block_manager.num_free_blocks == \
+        drafter.heads.block_manager.num_blocks
+    assert_all_blocks_free(spec)
+
+
+# ---- on a GPU ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_capture_features_and_eagle3_stays_lossless(tiny_model_dir: Path, tiny_head: Path) -> None:
+    """A replayed graph writes the features into its static buffer, the same as the eager
+    forward of the step; EAGLE-3 over CUDA graphs gives eager plain decoding's tokens."""
+    from specdec.cuda_graphs import CudaGraphs
+    from specdec.kernels import attention_triton
+    from tests.engine.test_cuda import cuda_llm
+
+    if type(attention_triton._paged_attention_kernel).__name__ == "InterpretedFunction":
+        pytest.skip("Triton runs interpreted in this session; on a GPU run TRITON_INTERPRET=0 pytest -m cuda")
+    cuda = torch.device("cuda")
+    graphed = cuda_llm(tiny_model_dir, speculative_config=eagle3(tiny_head))
+    executor = graphed.engine.runner.executor
+    assert isinstance(executor, CudaGraphs) and executor.features is not None
+    assert executor.eager.feature_layers == executor.feature_layers == (0, 1, 1)
+    kv = graphed.engine.runner.kv_cache.layers
+    with torch.inference_mode():
+        executor.run(_prefill([5, 9, 11, 3]), kv, cuda)
+        step = StepInputs([7], [4], [4], [1], [5], [[0]], [1], None, [0])  # a decode step: a graph shape
+        replayed, eager = executor.run(step, kv, cuda), executor.eager.run(step, kv, cuda)
+    assert replayed.features is not None and eager.features is not None and replayed.features.shape == (1, 192)
+    torch.testing.assert_close(replayed.features, eager.features)
+    prompts = random_prompts(5, 3)
+    plain_cuda = cuda_llm(tiny_model_dir, enforce_eager=True, speculative_config=None)
+    expected = token_ids(plain_cuda.generate(prompts, greedy(12)))
+    assert token_ids(graphed.generate(prompts, greedy(12))) == expected
+    assert graphed.get_metrics()["num_drafts"] > 0
+    assert_all_blocks_free(graphed)
+    _check_drafter_empty(graphed)
