@@ -59,7 +59,10 @@ DRAFTERS: dict[str, dict[str, Any] | None] = {  # what `drafters` times on the d
     "hybrid, 16-node tree": {"method": "hybrid", "model": DEFAULT_HEADS, "num_speculative_tokens": 16,
                              "num_tree_nodes": 16},
     "draft model k=5": {"method": "draft_model", "model": "smollm2-135m-draft", "num_speculative_tokens": 5},
+    "Medusa-1 heads, tree": {"method": "medusa", "model": "smollm2-135m-medusa", "num_speculative_tokens": 4,
+                             "num_tree_nodes": 16},
 }
+DRAFTER_MAX_MODEL_LEN = 4096  # evals/prompts' long inputs (summarization, rag) fit
 
 
 class Rig:
@@ -79,9 +82,10 @@ class Rig:
         self.vocab = SHAPES[args.shape]["vocab_size"]
 
     def options(self, **more: Any) -> dict[str, Any]:
-        return dict(device=self.device.type, dtype=self.dtype, max_model_len=self.max_model_len,
-                    kv_cache_memory=self.kv_bytes, enable_prefix_caching=False,
-                    attention_backend="torch" if self.device.type == "cpu" else "auto", **more)
+        """LLM keywords: the rig's, overridden by `more`."""
+        return {"device": self.device.type, "dtype": self.dtype, "max_model_len": self.max_model_len,
+                "kv_cache_memory": self.kv_bytes, "enable_prefix_caching": False,
+                "attention_backend": "torch" if self.device.type == "cpu" else "auto", **more}
 
     def prompts(self, count: int, length: int, seed: int = 0) -> list[list[int]]:
         gen = torch.Generator().manual_seed(seed)
@@ -105,9 +109,9 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def free(*objects: object) -> None:
-    """Drop engines before the next is built (one at a time on the device)."""
-    del objects
+def free() -> None:
+    """Return what dropped engines held (call after the last reference went: one engine
+    at a time on the device)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -220,7 +224,6 @@ def oracle_section(rig: Rig, model_dir: Path, depths: list[int]) -> list[dict[st
         seconds = min(rig.wall(lambda: run(True)) for _ in range(2))
         rows.append({"depth": depth, "tok_s": rig.max_tokens / seconds, "speedup": plain / seconds,
                      "identical": same})
-    free(llm)
     return rows
 
 
@@ -263,7 +266,6 @@ def transformers_section(rig: Rig, model_dir: Path) -> list[dict[str, Any]]:
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         name += " + torch.compile"
     rows.append({"engine": name, "tok_s": rate(cache_implementation="static", **eager)})
-    free(model)
     return rows
 
 
@@ -289,9 +291,9 @@ def drafters_section(rig: Rig, model: str, configs: dict[str, dict[str, Any] | N
     prompts = {category: load_prompts(category, num_prompts) for category in categories}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     plain: dict[str, list[list[int]]] = {}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, spec in configs.items():
-        llm = LLM(model, max_num_seqs=4, **rig.options(speculative_config=spec))
+        llm = LLM(model, **rig.options(speculative_config=spec, max_num_seqs=4, max_model_len=DRAFTER_MAX_MODEL_LEN))
         llm.chat([[{"role": "user", "content": "Say hello."}]], params)  # warm up
         for category, texts in prompts.items():
             before, outputs, seconds = llm.get_metrics(), [], 0.0
@@ -307,7 +309,8 @@ def drafters_section(rig: Rig, model: str, configs: dict[str, dict[str, Any] | N
             rows.append({"drafter": name, "category": category, "tok_s": sum(map(len, outputs)) / seconds,
                          "tau": 1 + accepted / drafts if drafts else None,
                          "identical": sum(a == b for a, b in zip(outputs, reference)), "prompts": len(texts)})
-        free(llm)
+        del llm
+        free()
     for row in rows:
         base = next(r["tok_s"] for r in rows if r["drafter"] == "plain" and r["category"] == row["category"])
         row["x_plain"] = row["tok_s"] / base
@@ -318,8 +321,9 @@ def drafters_section(rig: Rig, model: str, configs: dict[str, dict[str, Any] | N
 
 
 def idle_section(rig: Rig, llm: LLM) -> dict[str, Any]:
-    """Batch-1 decoding under torch.profiler: the GPU's idle time between its kernels over
-    the decode steps (the union of kernel intervals against the span they cover)."""
+    """Batch-1 decoding under torch.profiler: the GPU's idle time between its kernels and
+    copies (the union of their intervals against the span they cover) over one request, its
+    short prefill included, per decode step."""
     from torch.profiler import ProfilerActivity, profile
 
     prompt = rig.prompts(1, rig.prompt_len, seed=11)
@@ -354,9 +358,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["verify"] = verify_section(rig, llm)
         report["idle"] = (idle_section(rig, llm) if args.profile and rig.device.type == "cuda"
                           else {"skipped": "needs --profile on CUDA"})
-        free(llm)
+        del llm
+        free()
         report["oracle"] = oracle_section(rig, model_dir, args.depths)
+        free()
         report["transformers"] = transformers_section(rig, model_dir)
+        free()
     gguf = default_gguf()
     if args.drafters and gguf is not None:
         report["drafters"] = drafters_section(rig, str(gguf), default_drafters(rig.device), args.categories,

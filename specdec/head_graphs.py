@@ -73,8 +73,12 @@ class HeadGraphs:
         """Every bucket, largest first, in one memory pool (one replays at a time)."""
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
-            views = [buffer[:size] for buffer in self.buffers]
-            self.captured[size] = capture(lambda views=views: self.forward(*views), pool, self.device)
+            self.captured[size] = capture(self._on_buffers(size), pool, self.device)
+
+    def _on_buffers(self, size: int) -> Callable[[], tuple[torch.Tensor, ...]]:
+        """`forward` over the first `size` rows of the static buffers."""
+        views = [buffer[:size] for buffer in self.buffers]
+        return lambda: self.forward(*views)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # each [N, ...]
         rows = int(inputs[0].shape[0])

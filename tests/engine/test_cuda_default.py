@@ -97,7 +97,7 @@ def graphed_llm(model_dir: Path, spec: dict[str, Any], monkeypatch: pytest.Monke
     runner = engine.runner
     runner.executor = CudaGraphs(runner.executor, engine.config, runner.kv_cache, engine.device, engine.max_model_len)
     drafter: Any = engine.drafter
-    heads = drafter.heads if isinstance(drafter, HybridDrafter) else drafter
+    heads: Any = drafter.heads if isinstance(drafter, HybridDrafter) else drafter
     heads.use_graphs(engine.config.max_num_seqs * DYNAMIC_WIDTH)  # what the drafter builds on CUDA
     return llm
 
@@ -141,21 +141,27 @@ def test_medusa_heads_on_the_cuda_path_equal_plain(tiny_model_dir: Path, tiny_me
 
 @pytest.mark.cuda
 def test_default_hybrid_runs_on_a_gpu_in_graphs(tiny_model_dir: Path, tiny_recurrent_dir: Path) -> None:
+    """The default in the model dtype (bf16 here) with its heads in graphs; then in float32,
+    as tests/engine/test_cuda.py checks speculation, token-identical to plain."""
     from specdec.kernels import attention_triton
 
     if type(attention_triton._paged_attention_kernel).__name__ == "InterpretedFunction":
         pytest.skip("Triton runs interpreted in this session; run TRITON_INTERPRET=0 pytest -m cuda")
     prompts = random_prompts(5, 3)
     options: dict[str, Any] = dict(device="cuda", max_model_len=128, max_num_seqs=4, kv_cache_memory=1 << 24)
-    spec = LLM(str(tiny_model_dir), speculative_config={**default_with_heads(tiny_recurrent_dir), "adaptive": False},
-               **options)
-    drafter: Any = spec.engine.drafter
-    assert isinstance(spec.engine.runner.executor, CudaGraphs)
+    default = LLM(str(tiny_model_dir), speculative_config=default_with_heads(tiny_recurrent_dir), **options)
+    drafter: Any = default.engine.drafter
+    assert default.engine.config.dtype != torch.float32 and default.engine.config.speculative_config.adaptive  # type: ignore[union-attr]
+    assert isinstance(default.engine.runner.executor, CudaGraphs)
+    assert drafter.heads.heads.mix.weight.dtype == default.engine.config.dtype
     assert isinstance(drafter.heads.step_rows, HeadGraphs)
-    assert drafter.heads.heads.mix.weight.dtype == spec.engine.config.dtype != torch.float32
     assert all(isinstance(c.graph, torch.cuda.CUDAGraph) for c in drafter.heads.step_rows.captured.values())
-    plain = LLM(str(tiny_model_dir), speculative_config=None, **options)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in default.generate(prompts, greedy(16)))
+    assert_all_blocks_free(default)
+    fp32 = {**options, "dtype": "float32"}
+    spec = LLM(str(tiny_model_dir), speculative_config={**default_with_heads(tiny_recurrent_dir), "adaptive": False},
+               **fp32)
+    plain = LLM(str(tiny_model_dir), speculative_config=None, **fp32)
     assert token_ids(spec.generate(prompts, greedy(16))) == token_ids(plain.generate(prompts, greedy(16)))
-    default = LLM(str(tiny_model_dir), **options)  # speculation on by default
-    assert default.engine.config.speculative_config is not None and default.engine.drafter is not None
+    assert spec.get_metrics()["num_drafts"] > 0
     assert_all_blocks_free(spec)

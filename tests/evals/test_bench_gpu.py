@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -62,7 +63,7 @@ def test_random_weights_stand_in_for_a_checkpoint(tmp_path: Path) -> None:
     with random_weights(model_dir):
         llm = LLM(str(model_dir), device="cpu", attention_backend="torch", speculative_config=None,
                   kv_cache_memory=1 << 20, max_model_len=128)
-    model = llm.engine.model
+    model: Any = llm.engine.model
     assert torch.equal(model.layers[0].qkv_proj.weight[:64], weights[name])  # the fused projection, filled in
     with pytest.raises(ValueError, match="missing"):  # outside the context the checkpoint is incomplete
         LLM(str(model_dir), device="cpu", attention_backend="torch", speculative_config=None, kv_cache_memory=1 << 20)
