@@ -42,6 +42,10 @@ from specdec.sampling_params import SamplingParams
 from specdec.spec.tree import Candidate, DraftTree, ScoredDraft, expand_layer
 
 SHIPPED = Path(__file__).parent / "weights"
+# Features a request may hold before the head runs them (3 x hidden floats each: 7 KB a
+# token on the default model): a request that drafts nothing for longer (the policy grants
+# it nothing) keeps only its newest ones, and its head context starts over from them.
+MAX_PENDING_ROWS = 1024
 
 
 def resolve_head_dir(name: str) -> Path:
@@ -187,6 +191,11 @@ class Eagle3Drafter(Drafter):
             context = self.contexts[request_id] = self._fresh(request_id, start)
         if start != context.end:
             self._rewind(context, start)
+        if context.num_pending + features.shape[0] > MAX_PENDING_ROWS:  # start over from the newest
+            kept = torch.cat([*context.pending, features])[-MAX_PENDING_ROWS:]
+            self._reset(context, start + features.shape[0] - kept.shape[0])
+            context.pending, context.num_pending = [kept], kept.shape[0]
+            return
         context.pending.append(features)
         context.num_pending += features.shape[0]
 
@@ -199,9 +208,7 @@ class Eagle3Drafter(Drafter):
         preempted request's recompute), or start over after positions that will never come."""
         kept = start - context.offset
         if start > context.end or kept < 0:
-            self.block_manager.free(context.shadow)
-            context.shadow.num_computed_tokens = 0
-            context.offset, context.pending, context.num_pending, context.last = start, [], 0, None
+            self._reset(context, start)
             return
         computed = context.shadow.num_computed_tokens
         if kept < computed:  # rows to run again
@@ -212,6 +219,12 @@ class Eagle3Drafter(Drafter):
         features = torch.cat(context.pending)[: kept - computed] if context.pending else None
         context.pending = [features] if features is not None and features.shape[0] else []
         context.num_pending = kept - computed
+
+    def _reset(self, context: _HeadContext, offset: int) -> None:
+        """Forget the context's rows and features: its next feature is that of `offset`."""
+        self.block_manager.free(context.shadow)
+        context.shadow.num_computed_tokens = 0
+        context.offset, context.pending, context.num_pending, context.last = offset, [], 0, None
 
     def free(self, request_id: str) -> None:
         context = self.contexts.pop(request_id, None)
@@ -292,7 +305,7 @@ class Eagle3Drafter(Drafter):
         for segment, context in zip(segments, behind):
             end += len(segment.positions)
             context.shadow.num_computed_tokens += len(segment.positions)
-            context.pending, context.num_pending, context.last = [], 0, out[end - 1]
+            context.pending, context.num_pending, context.last = [], 0, out[end - 1].clone()  # not a view of out
 
     def _expand(self, growths: list[_Growth]) -> None:
         """One depth: run each tree's frontier (with its ancestors, under a tree mask) and

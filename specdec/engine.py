@@ -310,7 +310,7 @@ class LLMEngine:
             request = item.request
             if request.is_finished:  # stopped or aborted while this step was in flight: its token is dropped
                 continue
-            if result.features is not None and self.drafter is not None:
+            if result.features is not None and self.drafter is not None and request.use_speculation:
                 self.drafter.observe_features(request.request_id, result.features_start, result.features)
             if result.error is not None:
                 outputs.append(self._fail_one(request, result.error))

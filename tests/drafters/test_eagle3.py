@@ -241,3 +241,20 @@ def test_sampled_verification_of_eagle3_trees_follows_the_target(tiny_model_dir:
     monkeypatch.setattr(tree_rejection, "residual_probs", lambda residual, draft: residual)
     p = pvalues(tree_verify(logits, trees, plain_st(len(trees)), None), target0, target_next)
     assert min(p[0], p[1]) < P_BROKEN, p
+
+
+@torch.inference_mode()
+def test_a_request_holds_a_bounded_number_of_features(drafter: Eagle3Drafter,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_PENDING_ROWS features not yet run, the oldest go and the head's context
+    starts at the newest kept."""
+    from specdec.drafters import eagle3
+
+    monkeypatch.setattr(eagle3, "MAX_PENDING_ROWS", 6)
+    ids = tokens(9, 11)
+    drafter.observe_features("long", 0, FEATURES[:5])
+    drafter.observe_features("long", 5, FEATURES[5:10])  # 10 pending: positions 4 .. 9 kept
+    drafter.observe_features("newest", 4, FEATURES[4:10])
+    same_tree(draft(drafter, "long", ids, 8, 3), draft(drafter, "newest", ids, 8, 3))
+    for request_id in ("long", "newest"):
+        drafter.free(request_id)
