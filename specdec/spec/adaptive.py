@@ -453,30 +453,31 @@ def calibrate(executor: Executor, kv_layers: list[PagedKV], block_size: int, max
     seconds = []
     for size in CALIBRATION_SIZES:
         per_request = max_query_len if max_query_len and device.type == "cuda" else size
-        inputs = _synthetic_step(size, per_request, context, block_size)
+        inputs = _synthetic_step(size, per_request, context, block_size, kv_layers[0].k.shape[0])
         step = partial(executor.run, inputs, kv_layers, device)
         seconds.append(min(measure_seconds(step, device) for _ in range(repeats)))
     return CostModel(list(CALIBRATION_SIZES), seconds)
 
 
-def _synthetic_step(size: int, max_query_len: int, context: int, block_size: int) -> StepInputs:
+def _synthetic_step(size: int, max_query_len: int, context: int, block_size: int, pool_blocks: int) -> StepInputs:
     """A step of `size` query tokens in requests of at most max_query_len, each after
-    `context` cached ones in blocks of its own, the pool's first ones in order (so a slot is
-    its request's first block's first slot plus the position); every row's logits wanted."""
+    `context` cached ones in blocks of its own, the pool's first ones in order (wrapping
+    around a pool of fewer than pool_blocks: the KV written is never read back, only
+    timed); every row's logits wanted."""
     inputs = StepInputs([], [], [], [], [], [], [], None, [])
     first_block = 0
     for start in range(0, size, max_query_len):
         query = min(max_query_len, size - start)
         total = context + query
-        num_blocks = -(-total // block_size)
+        table = [(first_block + i) % pool_blocks for i in range(-(-total // block_size))]
         positions = list(range(context, total))
         inputs.token_ids += [0] * query
         inputs.positions += positions
-        inputs.slots += [first_block * block_size + p for p in positions]
+        inputs.slots += [table[p // block_size] * block_size + p % block_size for p in positions]
         inputs.query_lens.append(query)
         inputs.seq_lens.append(total)
-        inputs.block_tables.append(list(range(first_block, first_block + num_blocks)))
+        inputs.block_tables.append(table)
         inputs.num_rows.append(query)
-        first_block += num_blocks
+        first_block += len(table)
     inputs.logit_rows = list(range(size))
     return inputs

@@ -202,7 +202,7 @@ def test_calibration_runs_the_steps_the_engine_can_run(monkeypatch: pytest.Monke
     shapes), each after its own context in blocks of its own; on the CPU one request."""
     monkeypatch.setattr(adaptive, "measure_seconds", lambda fn, device: measure_seconds(fn, torch.device("cpu")))
     executor = RecordingExecutor()
-    kv: Any = [SimpleNamespace(k=SimpleNamespace(device=torch.device("cuda")))]  # nothing runs there
+    kv: Any = [SimpleNamespace(k=SimpleNamespace(device=torch.device("cuda"), shape=(100,)))]  # nothing runs there
     cost = calibrate(executor, kv, block_size=16, max_query_len=17, repeats=1)  # type: ignore[arg-type]
     assert cost.sizes == list(CALIBRATION_SIZES) and all(s > 0 for s in cost.seconds)
     by_size = {sum(step.query_lens): step for step in executor.steps}
@@ -216,6 +216,11 @@ def test_calibration_runs_the_steps_the_engine_can_run(monkeypatch: pytest.Monke
         assert [s // 16 for s in step.slots[rows]] == [table[p // 16] for p in step.positions[rows]]
     for device, max_query_len in (("cuda", None), ("cpu", 17)):  # one request of every size
         single = RecordingExecutor()
-        kv[0] = SimpleNamespace(k=SimpleNamespace(device=torch.device(device)))
+        kv[0] = SimpleNamespace(k=SimpleNamespace(device=torch.device(device), shape=(100,)))
         calibrate(single, kv, block_size=16, max_query_len=max_query_len, repeats=1)  # type: ignore[arg-type]
         assert [s.query_lens for s in single.steps] == [[size] for size in CALIBRATION_SIZES]
+    small = RecordingExecutor()  # a pool of 10 blocks: the requests' blocks wrap around it
+    kv[0] = SimpleNamespace(k=SimpleNamespace(device=torch.device("cuda"), shape=(10,)))
+    calibrate(small, kv, block_size=16, max_query_len=17, repeats=1)  # type: ignore[arg-type]
+    assert all(0 <= b < 10 for step in small.steps for table in step.block_tables for b in table)
+    assert all(0 <= slot < 160 for step in small.steps for slot in step.slots)
