@@ -43,25 +43,23 @@ class LayerOps:
 
     name = "torch"
 
-    @staticmethod
-    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:  # [T, D] or [T, H, D]
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # [T, D] or [T, H, D]
         return rms_norm(x, weight, eps)
 
-    @staticmethod
-    def add_rms_norm(x: Tensor,  # [T, D], overwritten with x + residual
+    def add_rms_norm(self,
+                     x: Tensor,  # [T, D], overwritten with x + residual
                      residual: Tensor,  # [T, D]
                      weight: Tensor,  # [D]
                      eps: float) -> tuple[Tensor, Tensor]:  # normed [T, D], the new residual (x)
         total = x.add_(residual)
         return rms_norm(total, weight, eps), total
 
-    @staticmethod
-    def silu_mul(gate_up: Tensor) -> Tensor:  # [T, 2 I] -> [T, I]
+    def silu_mul(self, gate_up: Tensor) -> Tensor:  # [T, 2 I] -> [T, I]
         inter = gate_up.shape[1] // 2
         return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
 
-    @staticmethod
     def rope_store_kv(
+        self,
         qk: Tensor,  # [T, Hq + Hkv, D]
         value: Tensor,  # [T, Hkv, D]
         cos: Tensor,  # [T, 1, D]
@@ -87,18 +85,18 @@ class TritonLayerOps(LayerOps):
 
         self._act, self._norm, self._rope = triton_act, triton_norm, triton_rope
 
-    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return self._norm.rms_norm_triton(x, weight, eps)
 
-    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor,  # type: ignore[override]
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor,
                      eps: float) -> tuple[Tensor, Tensor]:
         """One kernel: x += residual in place, and the RMSNorm of the sum."""
         return self._norm.add_rms_norm_triton(x, residual, weight, eps)
 
-    def silu_mul(self, gate_up: Tensor) -> Tensor:  # type: ignore[override]
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
         return self._act.silu_mul_triton(gate_up)
 
-    def rope_store_kv(self, qk: Tensor, value: Tensor, cos: Tensor, sin: Tensor,  # type: ignore[override]
+    def rope_store_kv(self, qk: Tensor, value: Tensor, cos: Tensor, sin: Tensor,
                       num_heads: int, kv: PagedKV, attention: AttentionBackend[Any], plan: AttentionPlan) -> Tensor:
         """One kernel: q rotated in place in qk, k rotated and stored with v at the plan's slots."""
         return self._rope.rope_store_kv_triton(qk, value, cos, sin, num_heads, kv, plan.meta.slot_mapping)

@@ -46,7 +46,9 @@ CONFIGS: dict[torch.dtype, TileConfig] = {
 }
 
 
-@triton.jit
+# M is not specialised on (Triton would compile M == 1 and multiples of 16 apart): one
+# compiled kernel serves every row count, and no new one is compiled under graph capture.
+@triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
