@@ -40,3 +40,12 @@ def test_serve_children_are_told_the_cpu(tmp_path: Path, monkeypatch: pytest.Mon
 def test_cuda_tests_see_the_gpu() -> None:
     assert torch.cuda.is_available() and torch.cuda.device_count() >= 1
     assert torch.ones(2, device="cuda").sum().item() == 2.0  # was "Invalid device id" under CUDA_VISIBLE_DEVICES=""
+
+
+def test_no_test_module_overrides_an_explicit_triton_interpret() -> None:
+    """`TRITON_INTERPRET=0 pytest -m cuda tests` must compile the kernels: a module that set
+    the variable to 1 at import made every kernel decorated after it interpreted, and the
+    `cuda` tests skip or crawl. Modules set it with setdefault (tests/conftest.py too)."""
+    assignment = "os.environ[" + '"TRITON_INTERPRET"] ='  # split so that this file does not match
+    forced = [str(path) for path in Path(__file__).parent.rglob("*.py") if assignment in path.read_text()]
+    assert forced == []

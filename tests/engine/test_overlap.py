@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 # Must precede any import of triton (see tests/engine/test_triton_engine.py).
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")  # an explicit 0 (`-m cuda` on a GPU) stands
 
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402

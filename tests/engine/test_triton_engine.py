@@ -10,7 +10,7 @@ The interpreter is slow: tiny checkpoints, three prompts, a few tokens each.
 import os
 
 # Must precede any import of triton (see tests/kernels/test_attention_triton.py).
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")  # an explicit 0 (`-m cuda` on a GPU) stands
 
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402

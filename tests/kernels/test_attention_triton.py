@@ -7,9 +7,13 @@ import os
 # Must precede any import of triton: @triton.jit picks interpreter mode at decoration time,
 # for our kernels and for triton.language's own jit helpers (tl.max, tl.sum). If another
 # module imported triton first, tests/conftest.py has already set it.
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")  # an explicit 0 (`-m cuda` on a GPU) stands
 
 import pytest  # noqa: E402
+
+if os.environ["TRITON_INTERPRET"] != "1":  # a `-m cuda` run with compiled kernels: these run on CPU tensors
+    pytest.skip("Triton interpreter tests; this session compiles Triton (TRITON_INTERPRET=0)", allow_module_level=True)
+
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 

@@ -3,9 +3,13 @@ attention and slot moves, torch and Triton (in its CPU interpreter) against
 kernels/reference.py."""
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported; see test_attention.py
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; see test_attention.py
 
 import pytest  # noqa: E402
+
+if os.environ["TRITON_INTERPRET"] != "1":  # a `-m cuda` run with compiled kernels: these run on CPU tensors
+    pytest.skip("Triton interpreter tests; this session compiles Triton (TRITON_INTERPRET=0)", allow_module_level=True)
+
 import torch  # noqa: E402
 
 from specdec.kernels import reference  # noqa: E402
