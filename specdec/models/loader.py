@@ -228,6 +228,23 @@ def _mlp_plan(config: ModelConfig, i: int) -> WeightPlan:
     return plan
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """A checkpoint tensor not read yet: its shape, and its rows read a chunk at a time."""
+
+    handle: Any  # SafetensorsRows or GgufTensors
+    name: str
+    shape: tuple[int, ...]
+
+    def copy_into(self, dest: Tensor, broadcast: bool) -> None:
+        """dest (the model's dtype and device) <- this tensor, at most CHUNK_BYTES (counted in
+        float32) at a time; broadcast: a [D] vector repeated over dest's rows (q/k norm)."""
+        max_rows = max(1, CHUNK_BYTES // (4 * max(1, math.prod(dest.shape[1:]))))
+        for first, rows in self.handle.chunks(self.name, max_rows):
+            target = dest if broadcast else dest[first : first + rows.shape[0]]
+            target.copy_(rows)  # converts on the host first when dtypes differ: one chunk's worth
+
+
 class _Source:
     """Checkpoint tensors first, fallback tensors for names the checkpoint lacks."""
 
@@ -237,26 +254,13 @@ class _Source:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors or name in self.fallback
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        handle = self.tensors.get(name)
-        return tuple(self.fallback[name].shape) if handle is None else tuple(handle.shape(name))
-
-    def blocks(self, name: str) -> QuantizedMatrix | None:
-        """A GGUF's blocks where the model keeps them; None for a tensor read as floats."""
-        handle = self.tensors.get(name)
-        return handle.blocks(name) if isinstance(handle, GgufTensors) else None
-
-    def copy_into(self, name: str, dest: Tensor, broadcast: bool) -> None:
-        """dest (the model's dtype and device) <- `name`, a range of rows at a time;
-        broadcast: a [D] vector repeated over dest's rows (q/k norm)."""
+    def get(self, name: str) -> Tensor | QuantizedMatrix | _Rows:
+        """A fallback tensor; a GGUF's blocks where the model keeps them; else the rows to read."""
         handle = self.tensors.get(name)
         if handle is None:
-            dest.copy_(self.fallback[name])
-            return
-        max_rows = max(1, CHUNK_BYTES // (4 * max(1, math.prod(dest.shape[1:]))))
-        for first, rows in handle.chunks(name, max_rows):
-            target = dest if broadcast else dest[first : first + rows.shape[0]]
-            target.copy_(rows)  # converts on the host first when dtypes differ: one chunk's worth
+            return self.fallback[name]
+        blocks = handle.blocks(name) if isinstance(handle, GgufTensors) else None
+        return _Rows(handle, name, tuple(handle.shape(name))) if blocks is None else blocks
 
 
 @contextmanager
@@ -322,14 +326,16 @@ def _fill(param: Tensor, pieces: list[_Piece], source: _Source, float_headers: b
     start, blocks = 0, []
     for piece in pieces:
         dest = param[start : start + piece.rows]
-        expected, got = tuple(dest.shape[1:] if piece.broadcast else dest.shape), source.shape(piece.hf_name)
+        tensor = source.get(piece.hf_name)
+        expected, got = tuple(dest.shape[1:] if piece.broadcast else dest.shape), tuple(tensor.shape)
         if got != expected:
             raise ValueError(f"weight {piece.hf_name} has shape {got}, expected {expected}")
-        quantized = source.blocks(piece.hf_name)
-        if quantized is not None:
-            blocks.append(quantized)
+        if isinstance(tensor, QuantizedMatrix):
+            blocks.append(tensor)
+        elif isinstance(tensor, _Rows):
+            tensor.copy_into(dest, piece.broadcast)
         else:
-            source.copy_into(piece.hf_name, dest, piece.broadcast)
+            dest.copy_(tensor)  # a fallback tensor; broadcasts a [D] norm vector over its heads
         start += piece.rows
     if blocks and len(blocks) != len(pieces):
         raise ValueError(f"weights {[p.hf_name for p in pieces]} mix GGUF blocks and float tensors in one projection")

@@ -169,13 +169,13 @@ def largest_float32_while_copying(model_dir: Path, monkeypatch: pytest.MonkeyPat
     """Load in bf16 and watch the weights' copies (model construction's float32 RoPE tables
     are no weight)."""
     watch = FloatTensors()
-    copy_into = loader._Source.copy_into
+    copy_into = loader._Rows.copy_into
 
-    def watched(self: Any, name: str, dest: torch.Tensor, broadcast: bool) -> None:
+    def watched(self: Any, dest: torch.Tensor, broadcast: bool) -> None:
         with watch:
-            copy_into(self, name, dest, broadcast)
+            copy_into(self, dest, broadcast)
 
-    monkeypatch.setattr(loader._Source, "copy_into", watched)
+    monkeypatch.setattr(loader._Rows, "copy_into", watched)
     monkeypatch.setattr(loader, "CHUNK_BYTES", 1000)
     load_model(model_dir, dtype=torch.bfloat16)
     return watch.largest
