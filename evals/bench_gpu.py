@@ -242,7 +242,7 @@ def transformers_section(rig: Rig, model_dir: Path) -> list[dict[str, Any]]:
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=rig.dtype)
         except TypeError:  # transformers before `dtype` replaced `torch_dtype`
             model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=rig.dtype)
-    model.to(rig.dtype).eval()
+    model.to(device=rig.device, dtype=rig.dtype).eval()  # where a version ignored the device context
     # Newer transformers compile a static cache's forward by themselves: told not to, so
     # that "eager" is eager and the compiled forward is the one compiled here.
     eager = {"disable_compile": True} if hasattr(transformers.GenerationConfig(), "disable_compile") else {}
