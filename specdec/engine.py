@@ -223,7 +223,7 @@ class LLMEngine:
             verified = self._verify(batch, trees, output)
         except Exception:
             return outputs + self._fail_step(batch)
-        self._advance(batch)
+        self._advance(batch, trees)
         self.metrics.num_steps += 1
         return outputs + (self._commit(batch, trees, verified) if verified is not None else [])
 
@@ -246,13 +246,18 @@ class LLMEngine:
             return None
         return verify(batch, trees, output)
 
-    def _advance(self, batch: list[ScheduledRequest]) -> None:
+    def _advance(self, batch: list[ScheduledRequest], trees: list[DraftTree]) -> None:
         """The step's known tokens and roots are in the KV cache (or queued there); a
-        request given logits has a token coming, pending until it is committed."""
-        for item in batch:
+        request given logits has a token coming, pending until it is committed. KV slots
+        reserved for drafts that were not drafted are freed now: by the time a step in
+        flight is committed, the next step may have reserved slots of its own."""
+        for item, tree in zip(batch, trees):
+            request = item.request
             if item.completes_prompt:
-                item.request.num_pending += 1
-            item.request.num_computed_tokens += item.num_new_tokens
+                request.num_pending += 1
+            request.num_computed_tokens += item.num_new_tokens
+            if not tree.num_drafts:
+                self.block_manager.truncate(request, request.num_computed_tokens)
 
     def _settle(self) -> list[RequestOutput]:
         """Commit the step in flight, if any: its tokens, read back one step late."""
@@ -352,7 +357,8 @@ class LLMEngine:
             self.policy.observe_verify(request.request_id, tree.max_depth, num_accepted, tree.num_drafts)
         self.metrics.num_generation_tokens += kept
         if request.status is RequestStatus.RUNNING:  # not preempted while its step was in flight
-            self.block_manager.truncate(request, request.num_tokens)
+            if tree.num_drafts:  # the rejected drafts' slots (a verify step is committed at once)
+                self.block_manager.truncate(request, request.num_tokens)
             self.block_manager.cache_blocks(request)
 
     def _fail_each(self, batch: list[ScheduledRequest], faults: dict[int, str]) -> list[RequestOutput]:

@@ -26,6 +26,7 @@ from specdec.engine_args import add_engine_args  # noqa: E402
 from specdec.llm import LLM  # noqa: E402
 from specdec.outputs import RequestOutput  # noqa: E402
 from specdec.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from specdec.spec.policy import DraftLimit, FixedSpeculation  # noqa: E402
 from tests.helpers import NGRAM, assert_all_blocks_free, block_bytes, greedy, random_prompts  # noqa: E402
 
 MAX_TOKENS = 12
@@ -198,18 +199,26 @@ def test_speculating_requests_beside_overlapped_ones(tiny_model_dir: Path, promp
     assert_all_blocks_free(llm)
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_adaptive_speculation_overlaps_steps_without_grants(tiny_model_dir: Path, prompts: list[list[int]],
-                                                            method: str) -> None:
-    """Grants do not depend on the tokens: a speculating request granted nothing stays
-    in flight like any other, and one granted drafts is read back before drafting. Greedy
+class EveryThirdStep(FixedSpeculation):
+    """Grants the whole limit on every third step, nothing otherwise: whether it grants
+    does not depend on the tokens, as no policy's may."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def grant(self, limits: list[DraftLimit], base_tokens: int, base_commits: int) -> list[int]:
+        self.calls += 1
+        return [limit.num_draft_tokens if self.calls % 3 == 0 else 0 for limit in limits]
+
+
+def test_steps_granting_no_drafts_overlap(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    """A speculating request granted nothing stays in flight like any other; one granted
+    drafts while its last token is on the device has it read back before drafting. Greedy
     outputs equal plain decoding's."""
     expected = [o.outputs[0].token_ids for o in make_llm(tiny_model_dir, False).generate(prompts, greedy(24))]
-    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": True}
-    if method == "ngram":
-        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
-    llm = make_llm(tiny_model_dir, True, speculative_config=spec)
-    pipeline = llm.engine.pipeline
+    llm = make_llm(tiny_model_dir, True, speculative_config=NGRAM)
+    engine, pipeline = llm.engine, llm.engine.pipeline
+    engine.policy = engine.scheduler.policy = EveryThirdStep()
     kept, settled_early = [], []
     keep, must_settle = pipeline.keep, pipeline.must_settle
 
@@ -226,8 +235,20 @@ def test_adaptive_speculation_overlaps_steps_without_grants(tiny_model_dir: Path
     outputs = llm.generate(prompts, greedy(24))
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert any(kept) and any(settled_early)
-    if method == "ngram":  # (the tiny model's suffix trees may all be cut as not worth their rows)
-        assert llm.get_metrics()["num_drafts"] > 0
+    assert llm.get_metrics()["num_drafts"] > 0
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_adaptive_speculation(tiny_model_dir: Path, prompts: list[list[int]], method: str) -> None:
+    """The real adaptive policies (their grants follow measured costs) with overlap: greedy
+    outputs equal plain decoding's, every block freed."""
+    expected = [o.outputs[0].token_ids for o in make_llm(tiny_model_dir, False).generate(prompts, greedy(24))]
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": 3, "adaptive": True}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    llm = make_llm(tiny_model_dir, True, speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(24))] == expected
     assert_all_blocks_free(llm)
 
 
