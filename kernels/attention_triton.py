@@ -8,6 +8,15 @@ tile is big enough for tl.dot even at decode (q_len=1). Each program walks the r
 context in tiles of BLOCK_N positions read through the block table, with online softmax.
 Caches may be fp32, fp16, bf16 or fp8 (e4m3 with per-slot, per-head scales, see
 kv_cache.py): K/V tiles are upcast (fp8: times their scales) as they are loaded.
+
+Batch-invariant, as lossless speculation needs: a row's result does not depend on the
+other rows of its tile or step. Context tiles start at fixed multiples of BLOCK_N, so a
+key sits in the same lane whatever the query tile; keys a row does not see get weight
+exactly 0 and whole tiles of them leave the running max, sum and accumulator exactly as
+they were. A causal row's keys are a prefix of the context, so it matches the decode
+step of its token. A tree node's keys are not: in a tree step each verify request's
+query token gets its own tile, which reads its keys compacted (see the kernel). The dot
+products go through triton_dot.dot_acc.
 """
 from __future__ import annotations
 
@@ -297,6 +306,7 @@ def paged_attention_triton(
         meta.block_tables.stride(0), s_tm, scale * 1.4426950408889634,
         GROUP=Hq // Hkv, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         KV_BLOCK=kv_block, D=D, D_P=triton.next_power_of_2(D), IS_TREE=plan.tree_mask is not None,
-        W_P=triton.next_power_of_2(max(1, meta.max_query_len)), IS_FP8=kv.is_fp8, EXACT=INTERPRETED,
+        W_P=triton.next_power_of_2(min(max(1, meta.max_query_len), int(GATHER_MAX.value))), IS_FP8=kv.is_fp8,
+        EXACT=INTERPRETED,
     )
     return out
