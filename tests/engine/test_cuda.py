@@ -347,7 +347,7 @@ def preempting_llm(model_dir: Path, device: str, speculative_config: dict[str, A
                max_num_batched_tokens=24, kv_cache_memory=9 * block, speculative_config=speculative_config)
 
 
-@pytest.mark.parametrize("method", ["plain", "ngram", "hybrid"])
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft_model", "hybrid"])
 def test_the_preemption_config_preempts_on_the_cpu(method: str, tiny_model_dir: Path,
                                                    drafter_dirs: dict[str, Path]) -> None:
     """The CPU run of the GPU test below: same options, same outputs as without pressure,
