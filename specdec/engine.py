@@ -217,7 +217,8 @@ class LLMEngine:
         try:
             output = self._run(batch, trees, draft_seconds, watch)
         except Exception:
-            return outputs + self._fail_step(batch) + self._settle()
+            outputs += self._settle()  # the step before's tokens stand: they were computed
+            return outputs + self._fail_step([item for item in batch if not item.request.is_finished])
         outputs += self._settle()  # the step before's tokens, read while the device runs this one
         try:
             verified = self._verify(batch, trees, output)
@@ -225,7 +226,9 @@ class LLMEngine:
             return outputs + self._fail_step(batch)
         self._advance(batch, trees)
         self.metrics.num_steps += 1
-        return outputs + (self._commit(batch, trees, verified) if verified is not None else [])
+        if verified is None:  # left in flight; a request whose logits processing failed ends now
+            return outputs + self._fail_each(batch, self.pipeline.faults())
+        return outputs + self._commit(batch, trees, verified)
 
     def _run(self, batch: list[ScheduledRequest], trees: list[DraftTree], draft_seconds: float,
              watch: Stopwatch) -> ForwardOutput:

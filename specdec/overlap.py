@@ -72,7 +72,7 @@ class SampledStep:
     tokens: Tensor  # [B] int64 on the device: each request's sampled token, NO_TOKEN where none
     host_tokens: Tensor  # [B] int64 on the host, filled by a copy that did not wait (see `ready`)
     ready: torch.cuda.Event | None  # recorded after that copy on CUDA; None on the CPU
-    faults: dict[int, str]  # batch index -> why its logits processing failed
+    faults: dict[int, str]  # batch index -> why its logits processing failed (ended at launch, Pipeline.faults)
     rows: dict[int, int]  # id(request) -> batch index
 
     def results(self) -> list[Verified]:
@@ -185,6 +185,12 @@ class Pipeline:
         """The step in flight, handed over to be committed."""
         step, self.in_flight = self.in_flight, None
         return step
+
+    def faults(self) -> dict[int, str]:
+        """The step in flight's requests whose logits processing failed (batch index -> what
+        their client is told): they have no token to feed the next step, so they end at
+        once instead of when the step is committed."""
+        return self.in_flight.faults if self.in_flight is not None else {}
 
     def must_settle(self, batch: Sequence[ScheduledRequest]) -> bool:
         """Before drafting: a request granted drafts has its last token still on the

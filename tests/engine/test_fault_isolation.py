@@ -21,10 +21,12 @@ RECURSIVE = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties"
 HEALTHY = random_prompts(seed=41, count=4)
 
 
-@pytest.fixture(scope="module", params=["plain", "ngram"])
+@pytest.fixture(scope="module", params=["plain", "ngram", "overlap"])
 def llm(request: pytest.FixtureRequest, tiny_model_dir: Any) -> LLM:
+    """overlap: plain decoding with overlap scheduling, each step committed one step late."""
     spec = NGRAM if request.param == "ngram" else None
-    return LLM(str(tiny_model_dir), max_model_len=256, speculative_config=spec)
+    return LLM(str(tiny_model_dir), max_model_len=256, speculative_config=spec,
+               async_scheduling=request.param == "overlap")
 
 
 def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],

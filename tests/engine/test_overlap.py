@@ -165,6 +165,28 @@ def test_abort_mid_generation(tiny_model_dir: Path, prompts: list[list[int]]) ->
     assert finals["r0"][1] == "length"
 
 
+def test_a_failed_forward_fails_its_step_alone(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    """A forward that raises fails its step's requests; the tokens of the step before,
+    still in flight then, are committed first, as the synchronous engine had committed them."""
+    def make(overlap: bool) -> LLM:
+        llm = make_llm(tiny_model_dir, overlap)
+        runner, calls = llm.engine.runner, [0]
+        execute = runner.execute
+
+        def failing_execute(batch: Any, trees: Any, feed: Any = None) -> Any:
+            calls[0] += 1
+            if calls[0] == 5:
+                raise RuntimeError("the device fell over")
+            return execute(batch, trees, feed)
+
+        runner.execute = failing_execute  # type: ignore[method-assign]
+        return llm
+
+    seen = assert_same_runs(make, prompts, [greedy(MAX_TOKENS)] * len(prompts))
+    errors = [tokens for _, tokens, reason, _ in seen if reason == "error"]
+    assert errors and all(tokens for tokens in errors)  # they had streamed tokens before
+
+
 def test_forced_preemption(tiny_model_dir: Path) -> None:
     """A KV pool too small for the batch: requests are preempted (some with a token still
     on the device) and recomputed, with the same tokens as with overlap off."""
