@@ -23,6 +23,13 @@ How a step of root-only trees (plain decode, prefill chunks, requests without dr
   preemption) and is recomputed later from its real tokens: the scheduler admits no waiting
   request with a token still pending, so no placeholder is ever recomputed. A request sure
   to end when its pending token lands (max_tokens reached) is not scheduled again.
+- KV slots reserved for drafts that were not drafted are freed when a step is launched,
+  not when it is committed: by then the next step may have reserved slots of its own.
+- A request whose logits processing fails (a grammar) ends when its step is launched: it
+  has no token to feed the next step. A forward that fails commits the step in flight
+  first, then fails its requests, as the synchronous engine would have.
+- Drafters that read the target's captured features (EAGLE-3) get them with each step's
+  commit: with feature capture on, no step is left in flight.
 
 What does not overlap:
 
