@@ -307,6 +307,34 @@ def test_cuda_graph_buffers_take_the_fed_roots(tiny_model_dir: Path, monkeypatch
     assert any(step.graph.replays for step in graphs.captured.values())  # type: ignore[attr-defined]
 
 
+def test_async_llm_streams_with_overlap(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    """AsyncLLM (the server's engine loop) streams each request's tokens one step late,
+    growing to what the synchronous engine returns; abort frees every block."""
+    import asyncio
+
+    from specdec.async_llm import AsyncLLM
+
+    expected = [o.outputs[0].token_ids for o in make_llm(tiny_model_dir, False).generate(prompts, greedy(MAX_TOKENS))]
+    llm = AsyncLLM(str(tiny_model_dir), max_model_len=128, speculative_config=None, async_scheduling=True)
+
+    async def collect(i: int) -> list[RequestOutput]:
+        return [out async for out in llm.generate(prompts[i], greedy(MAX_TOKENS), request_id=f"s{i}")]
+
+    async def run_all() -> list[list[RequestOutput]]:
+        return list(await asyncio.gather(*(collect(i) for i in range(len(prompts)))))
+
+    try:
+        assert llm.engine.pipeline.enabled
+        streams = asyncio.run(run_all())
+        for stream_outputs, tokens in zip(streams, expected):
+            lengths = [len(o.outputs[0].token_ids) for o in stream_outputs]
+            assert lengths == sorted(lengths) and stream_outputs[-1].finished
+            assert stream_outputs[-1].outputs[0].token_ids == tokens
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    finally:
+        llm.shutdown()
+
+
 def test_the_option() -> None:
     """auto: on for CUDA only; the flag and keyword come from EngineConfig; bad values named."""
     assert EngineConfig(device="cpu").overlap_steps is False
