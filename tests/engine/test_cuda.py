@@ -25,6 +25,7 @@ from specdec.llm import LLM
 from specdec.model_runner import KVCache, StepInputs
 from specdec.models.config import ModelConfig
 from tests.engine.test_structured_outputs import UNBOUNDED, check, constrained
+from tests.engine.test_triton_engine import capture_eagerly
 from tests.helpers import NGRAM, assert_all_blocks_free, block_bytes, greedy, random_prompts, token_ids
 
 CUDA = torch.device("cuda")
@@ -327,7 +328,8 @@ def test_every_drafter_in_cuda_graphs_is_token_identical_to_plain(method: str, d
                                                                   tiny_model_dir: Path, drafter_dirs: dict[str, Path],
                                                                   graph_steps: GraphSteps) -> None:
     """Lossless on the GPU: greedy output equal to plain decoding's in the same dtype, for
-    a batch and for each prompt alone, with the verify steps replayed from graphs."""
+    a batch and for each prompt alone (where suffix drafting also finds the batch's
+    outputs), with the verify steps replayed from graphs."""
     prompts = random_prompts(11, 4)
     plain = cuda_llm(tiny_model_dir, dtype)
     expected = token_ids(plain.generate(prompts, greedy(24)))
@@ -338,6 +340,31 @@ def test_every_drafter_in_cuda_graphs_is_token_identical_to_plain(method: str, d
     assert [token_ids(spec.generate([prompt], greedy(24)))[0] for prompt in prompts] == expected
     assert spec.get_metrics()["num_drafts"] > 0 and graph_steps.verified_in_graphs
     assert_all_blocks_free(spec)
+
+
+@pytest.mark.parametrize("method", ["suffix", "draft_model", "draft_model_tree", "recurrent_heads"])
+def test_drafters_in_eagerly_replayed_graphs_equal_plain_on_the_cpu(method: str, tiny_model_dir: Path,
+                                                                    drafter_dirs: dict[str, Path],
+                                                                    graph_steps: GraphSteps,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU stand-in of the GPU test above for the drafters no other test runs through
+    CudaGraphs (n-gram and Medusa: test_triton_engine.py; hybrid: test_cuda_default.py):
+    each graph an eager rerun over the static buffers, Triton's interpreter on CPU tensors.
+    It also shows that the verify steps do fit graph shapes, as the GPU test asserts."""
+    monkeypatch.setattr(cuda_graphs, "capture_graph", capture_eagerly)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    prompts = random_prompts(11, 3)
+    plain = LLM(str(tiny_model_dir), max_model_len=128, attention_backend="torch")
+    expected = token_ids(plain.generate(prompts, greedy(6)))
+    llm = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=4, attention_backend="triton",
+              speculative_config=drafter_config(method, drafter_dirs))
+    engine, runner = llm.engine, llm.engine.runner
+    runner.executor = CudaGraphs(runner.executor, engine.config, runner.kv_cache, engine.device, engine.max_model_len)
+    graph_steps.shapes.clear()
+    for _ in range(2):  # the second time, suffix drafting also finds the first time's outputs
+        assert token_ids(llm.generate(prompts, greedy(6))) == expected
+    assert llm.get_metrics()["num_drafts"] > 0 and graph_steps.verified_in_graphs
+    assert_all_blocks_free(llm)
 
 
 def preempting_llm(model_dir: Path, device: str, speculative_config: dict[str, Any] | None, block: int) -> LLM:
