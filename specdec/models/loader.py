@@ -6,8 +6,8 @@ destination, so no fused temporary is ever materialised. Tensors are read throug
 map of each shard (safetensors_rows.py; the GGUF's own), one range of rows (CHUNK_BYTES) at
 a time, converted to the model dtype and copied into parameters already allocated on the
 target device in that dtype: a bf16 checkpoint never has a float32 copy, and the host holds
-one chunk of the file at a time (a range's pages are given back once copied). With `quantization="gguf"` a
-GGUF's projections keep their blocks instead: each such parameter becomes a
+one chunk of the file at a time (a range's pages are given back once copied). With
+`quantization="gguf"` a GGUF's projections keep their blocks instead: each such parameter becomes a
 QuantizedTensor of its pieces' blocks (kernels/quantized_tensor.py). The model gets its
 attention backend at construction and its linear backend once the weights are in.
 """
