@@ -1,6 +1,7 @@
 """The decoder layer's elementwise and normalisation ops, chosen once per model with its
-attention backend: RMSNorm, the residual add fused with it, SiLU-and-multiply, and RoPE
-with the K/V store. The model (specdec/models/llama.py) holds one `LayerOps` object and
+attention backend: RMSNorm, the residual add fused with it (also the add that ends a layer,
+carried into the next norm by `residual_norm`), SiLU-and-multiply, and RoPE with the K/V
+store. The model (specdec/models/llama.py) holds one `LayerOps` object and
 calls it without any dispatch on devices.
 
 - `LayerOps`: torch ops (the C++ RMSNorm on the CPU where it builds), the ones the CPU
@@ -53,6 +54,20 @@ class LayerOps:
                      eps: float) -> tuple[Tensor, Tensor]:  # normed [T, D], the new residual (x)
         total = x.add_(residual)
         return rms_norm(total, weight, eps), total
+
+    def residual_norm(self,
+                      x: Tensor,  # [T, D]: a block's output, overwritten with x + residual
+                      residual: Tensor | None,  # [T, D] the residual stream; None: x is the stream
+                      weight: Tensor,  # [D]
+                      eps: float) -> tuple[Tensor, Tensor]:  # normed [T, D], the stream [T, D]
+        """The norm in front of a block (a layer's input norm, the final norm): the residual
+        stream carried beside the last block's output gets that output added here, as vLLM
+        does, so that the add and the norm can be one kernel (add_rms_norm). Torch's ops
+        run what they ran when each layer ended with its own add: x += residual in place,
+        then the norm, bit for bit the same."""
+        if residual is None:  # the first layer's input: the embedding, the stream itself
+            return self.rms_norm(x, weight, eps), x
+        return self.add_rms_norm(x, residual, weight, eps)
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:  # [T, 2 I] -> [T, I]
         inter = gate_up.shape[1] // 2

@@ -7,14 +7,17 @@ Written for batch-1 CPU decoding, where Python and per-op overhead rival the mat
   each run once on a [T, Hq + Hkv, D] view instead of separately on q and k.
 - cos/sin are looked up once per forward and shared by every layer; sin carries
   rotate_half's sign, making RoPE three ops (mul, roll, addcmul).
-- Residual adds happen in place on freshly produced outputs.
+- Residual adds happen in place on freshly produced outputs. As in vLLM, the residual
+  stream is carried beside each layer's output: a layer returns its MLP's output without
+  adding it, and the next norm (the next layer's input norm, the final norm) adds it, so
+  that on the Triton ops every residual add is fused with the norm after it.
 - Each projection and the LM head is a PackedLinear (specdec/models/linear.py) holding
   its linear backend (kernels/linear.py: fp32 F.linear by default, fp16, int8, ...) and
   its weight packed for it; `use_linear_backend` repacks them all.
 - Attention goes through the model's attention backend (kernels/attention.py), chosen
   once: it plans each step once (`plan`), then every layer stores its K/V and attends.
-- The norms, the residual add after attention, SiLU-and-multiply and RoPE with the K/V
-  store go through the model's layer ops (kernels/layer_ops.py), chosen once with the
+- The norms with the residual adds, SiLU-and-multiply and RoPE with the K/V store go
+  through the model's layer ops (kernels/layer_ops.py), chosen once with the
   attention backend: torch's ops, or with the triton backend fused Triton kernels.
 - This module's forward is the Python layer code; what runs a forward (these layers, the
   C++ layer loop of kernels/decoder_cpu.py over the same kernels, CUDA graphs) is an
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -95,9 +98,23 @@ def rope_cache(
 __all__ = ["LlamaDecoderLayer", "LlamaForCausalLM", "apply_rope", "rms_norm", "rope_cache", "rope_inv_freq"]
 
 
+def _copy_features(
+    residual: Tensor,  # [T, hidden]: the residual stream entering layer `index`
+    index: int,
+    capture: tuple[Sequence[int], Tensor],  # (layer ids, out [T, len(ids) * hidden])
+) -> None:
+    """The stream into every column block of out whose layer id is `index`."""
+    width = residual.shape[1]
+    for k in (k for k, layer_id in enumerate(capture[0]) if layer_id == index):
+        capture[1][:, k * width : (k + 1) * width].copy_(residual)
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP block with fused projections; `ops` (torch's by
-    default) computes its norms, activation and RoPE with the K/V store."""
+    default) computes its norms, activation and RoPE with the K/V store. The residual
+    stream is carried outside: `norm_input` forms the stream entering the layer (adding
+    the previous layer's output) and its normed input, `forward` runs the rest and
+    leaves its output to the next norm to add."""
 
     qk_norm: nn.Parameter | None
 
@@ -133,20 +150,26 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = PackedLinear(hidden, 2 * inter, config.mlp_bias, dtype, device)
         self.down_proj = PackedLinear(inter, hidden, config.mlp_bias, dtype, device)
 
+    def norm_input(
+        self,
+        hidden: Tensor,  # [T, hidden]: the previous layer's output (overwritten), or the embedding
+        residual: Tensor | None,  # [T, hidden]: the stream it adds to; None for the first layer
+    ) -> tuple[Tensor, Tensor]:  # the normed input [T, hidden], the residual stream entering this layer
+        return self.ops.residual_norm(hidden, residual, self.input_norm, self.eps)
+
     def forward(
         self,
-        hidden: Tensor,  # [T, hidden]
+        attn_in: Tensor,  # [T, hidden]: norm_input's normed input
+        residual: Tensor,  # [T, hidden]: the residual stream entering this layer
         cos: Tensor,  # [T, 1, D]
         sin: Tensor,  # [T, 1, D]
         kv_cache: PagedKV,
         attention: AttentionBackend[Any],
         plan: AttentionPlan,  # attention.plan of this step
-    ) -> Tensor:  # [T, hidden]
-        ops = self.ops
-        attn_in = ops.rms_norm(hidden, self.input_norm, self.eps)
+    ) -> tuple[Tensor, Tensor]:  # the MLP's output [T, hidden], not yet added; the residual stream
         attn_out = self._attention(attn_in, cos, sin, kv_cache, attention, plan)
-        mlp_in, hidden = ops.add_rms_norm(attn_out, hidden, self.post_attn_norm, self.eps)
-        return self._mlp(mlp_in).add_(hidden)
+        mlp_in, residual = self.ops.add_rms_norm(attn_out, residual, self.post_attn_norm, self.eps)
+        return self._mlp(mlp_in), residual
 
     def _attention(
         self,
@@ -262,15 +285,16 @@ class LlamaForCausalLM(nn.Module):
         attention = self.attention_backend
         plan = attention.plan(meta, kv_caches[0])  # once per step, for every layer
         hidden = F.embedding(input_ids, self.embed_tokens)
+        residual: Tensor | None = None  # the residual stream, carried beside each layer's output
         cos = F.embedding(positions, self.rope_cos).unsqueeze(1)  # [T, 1, D]
         sin = F.embedding(positions, self.rope_sin).unsqueeze(1)
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        layers = cast("Sequence[LlamaDecoderLayer]", self.layers)  # an nn.ModuleList holds plain Modules
+        for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            attn_in, residual = layer.norm_input(hidden, residual)
             if capture is not None and index in capture[0]:
-                width = hidden.shape[1]
-                for k in (k for k, layer_id in enumerate(capture[0]) if layer_id == index):
-                    capture[1][:, k * width : (k + 1) * width].copy_(hidden)
-            hidden = layer(hidden, cos, sin, kv_cache, attention, plan)
-        return self.layer_ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+                _copy_features(residual, index, capture)
+            hidden, residual = layer(attn_in, residual, cos, sin, kv_cache, attention, plan)
+        return self.layer_ops.residual_norm(hidden, residual, self.norm, self.config.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.lm_head(hidden).float()

@@ -3,7 +3,10 @@ tiny model on the triton attention backend, the triton (batch-invariant GEMM) li
 backend and the fused Triton layer ops.
 
 - The model: every row of a verify forward (a chain, a tree) gives, bit for bit, the
-  logits that decoding its token alone after its accepted path gives.
+  logits that decoding its token alone after its accepted path gives. In float32 its
+  logits and the residual stream it captures (EAGLE-3's features) are the torch ops'
+  within rounding, though it carries the residual across layers to fuse every add with
+  the norm after it: a layer is nine kernels, with no separate add.
 - The engine: greedy speculative decoding (n-gram chains, Medusa trees) is token for
   token plain greedy decoding on the same backends, in float32 and bfloat16.
 
@@ -13,11 +16,15 @@ The `cuda` variants run the compiled kernels:
 from __future__ import annotations
 
 import os
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import triton
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.linear_triton import TritonLinear
@@ -65,9 +72,10 @@ class Forward:
         copy.caches = [PagedKV(*(t.clone() for t in cache.tensors())) for cache in self.caches]
         return copy
 
-    def step(self, tokens: list[int], tree: torch.Tensor | None = None) -> torch.Tensor:  # [T, vocab] float32
+    def step(self, tokens: list[int], tree: torch.Tensor | None = None,
+             capture: tuple[Sequence[int], torch.Tensor] | None = None) -> torch.Tensor:  # [T, vocab] float32
         """Run `tokens` after the first `length` ones (a tree: at depths by `tree`, [T, T]
-        bool); the context grows by them."""
+        bool; `capture`: the model's); the context grows by them."""
         depths = range(len(tokens)) if tree is None else (tree.sum(1) - 1).tolist()
         positions = torch.tensor([self.length + d for d in depths], device=self.device)
         meta = single_request_meta(self.length, len(tokens), self.table, BLOCK_SIZE, tree)
@@ -75,7 +83,7 @@ class Forward:
                           meta.seq_lens.to(self.device), meta.block_tables.to(self.device), meta.query_lens_cpu,
                           meta.seq_lens_cpu, None if tree is None else tree.to(self.device))
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(tokens, device=self.device), positions, self.caches, meta)
+            hidden = self.model(torch.tensor(tokens, device=self.device), positions, self.caches, meta, capture)
             logits = self.model.compute_logits(hidden)
         self.length += len(tokens)
         return logits
@@ -109,6 +117,75 @@ def test_verify_rows_equal_decode_logits(tiny_model_dir: Path, device: str, dtyp
         for j in [j for j in range(len(nodes)) if mask[i, j]]:
             logits = path.step([nodes[j]])[0]
         assert torch.equal(logits, tree_logits[i]), f"tree node {i}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_ops_compute_what_the_torch_ops_compute(tiny_model_dir: Path, device: str) -> None:
+    """float32, a prompt then a 1 + 3 chain: the Triton path's logits, and the residual
+    stream entering each layer that it captures, equal the torch path's (torch attention,
+    fp32 linear, torch layer ops) within rounding."""
+    triton_path = triton_model(tiny_model_dir, torch.float32, device)
+    torch_path = load_model(tiny_model_dir, device=device, attention_backend="torch")
+    assert torch_path.layer_ops.name == "torch"
+    num_layers, width = triton_path.config.num_layers, triton_path.config.hidden_size
+    layers = list(range(num_layers))
+    prompt, chain = random_prompts(1, 5)[0][:13], [5, 77, 301, 9]
+    results = []
+    for model in (triton_path, torch_path):
+        forward = Forward(model, device)
+        features = [torch.zeros(n, num_layers * width, device=device) for n in (len(prompt), len(chain))]
+        logits = [forward.step(tokens, capture=(layers, out)) for tokens, out in zip((prompt, chain), features)]
+        results.append((logits, features))
+    (triton_logits, triton_features), (torch_logits, torch_features) = results
+    for got, want in zip(triton_logits + triton_features, torch_logits + torch_features, strict=True):
+        assert want.abs().max() > 0.1  # something was computed and captured
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+class AtenOps(TorchDispatchMode):
+    """Counts the torch ops run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def triton_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
+    """Counts Triton kernel launches (`kernel[grid](...)`) by kernel name, compiled or interpreted."""
+    launches: Counter[str] = Counter()
+    launch = triton.runtime.jit.KernelInterface.__getitem__
+
+    def counting(kernel: Any, grid: Any) -> Callable[..., Any]:
+        launches[kernel.fn.__name__] += 1
+        return launch(kernel, grid)
+
+    monkeypatch.setattr(triton.runtime.jit.KernelInterface, "__getitem__", counting)
+    yield launches
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_residual_add_is_fused_with_a_norm(tiny_model_dir: Path, device: str,
+                                                 triton_launches: Counter[str]) -> None:
+    """A layer launches nine kernels: four GEMMs, two add + RMSNorm (the first layer's
+    input, the embedding, takes a plain RMSNorm), RoPE with the store, attention and
+    SiLU-and-multiply; the final norm is one more add + RMSNorm. Torch adds nothing in place."""
+    model = triton_model(tiny_model_dir, torch.float32, device)
+    forward = Forward(model, device)
+    forward.step([3, 50, 7])
+    triton_launches.clear()
+    with AtenOps() as aten:
+        forward.step([11, 12])
+    layers = model.config.num_layers
+    assert triton_launches == Counter({"_linear_kernel": 4 * layers + 1,  # and the LM head
+                                       "_add_rms_norm_kernel": 2 * layers, "_rms_norm_kernel": 1,
+                                       "_rope_store_kernel": layers, "_paged_attention_kernel": layers,
+                                       "_silu_mul_kernel": layers})
+    assert aten.counts["aten.add_.Tensor"] == 0, aten.counts
 
 
 def spec_config(method: str, medusa_dir: Path) -> dict[str, Any] | None:

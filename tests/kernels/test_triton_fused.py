@@ -1,6 +1,7 @@
 """The fused Triton kernels against kernels/reference.py (float64) and against the torch
-op sequence they replace (kernels/layer_ops.py's LayerOps): residual add + RMSNorm,
-SiLU(gate) * up, RoPE with the paged K/V store, greedy argmax and Gumbel sampling.
+op sequence they replace (kernels/layer_ops.py's LayerOps): residual add + RMSNorm (also
+as the norm in front of a block, with the residual stream carried to it), SiLU(gate) * up,
+RoPE with the paged K/V store, greedy argmax and Gumbel sampling.
 
 On the CPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
 which rounds fp32 to bf16 by truncation, not to nearest as a GPU and torch do: there
@@ -16,7 +17,7 @@ import torch
 
 from specdec.kernels import reference
 from specdec.kernels.kv_cache import FP8, PagedKV, dequantize_fp8
-from specdec.kernels.layer_ops import LayerOps, apply_rope
+from specdec.kernels.layer_ops import LayerOps, TritonLayerOps, apply_rope
 from specdec.kernels.triton_act import silu_mul_triton
 from specdec.kernels.triton_norm import add_rms_norm_triton
 from specdec.kernels.triton_rope import rope_store_kv_triton
@@ -53,6 +54,25 @@ def test_add_rms_norm(device: str, dtype: torch.dtype) -> None:
     assert rel_error(normed, want) < REL_TOL[dtype] and rel_error(torch_normed, want) < REL_TOL[dtype]
     if not (INTERPRETED and dtype == torch.bfloat16):
         assert torch.equal(new_residual, torch_residual)  # the add rounds as torch's
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_residual_norm(device: str, dtype: torch.dtype) -> None:
+    """The norm in front of a block: with the residual stream carried to it, the add and
+    the norm (one kernel), the new stream in the block output's buffer; without one (the
+    first layer's input), the norm of the input, which is the stream itself."""
+    gen = torch.Generator().manual_seed(6)
+    output, residual = (torch.randn(2, 9, 80, generator=gen) * 2).to(dtype).to(device)
+    weight = (1 + 0.2 * torch.randn(80, generator=gen)).to(dtype).to(device)
+    for ops in (TritonLayerOps(), TORCH):
+        buffer = output.clone()
+        normed, stream = ops.residual_norm(buffer, residual, weight, 1e-5)
+        want, want_stream = reference.add_rms_norm(output, residual, weight, 1e-5)
+        assert stream.data_ptr() == buffer.data_ptr()
+        assert rel_error(stream, want_stream) < REL_TOL[dtype] and rel_error(normed, want) < REL_TOL[dtype]
+        first, same = ops.residual_norm(output, None, weight, 1e-5)
+        assert same is output and rel_error(first, reference.rms_norm(output, weight, 1e-5)) < REL_TOL[dtype]
 
 
 @pytest.mark.parametrize("device", DEVICES)
