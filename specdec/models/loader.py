@@ -3,10 +3,10 @@
 Each of our parameters is filled from one or more HF tensors stacked along dim 0 (q/k/v
 into qkv_proj, gate/up into gate_up_proj); pieces are copied straight into slices of the
 destination, so no fused temporary is ever materialised. Tensors are read through a memory
-map of each shard (safetensors_rows.py; the GGUF's own), one range of rows (CHUNK_BYTES) at
-a time, converted to the model dtype and copied into parameters already allocated on the
-target device in that dtype: a bf16 checkpoint never has a float32 copy, and the host holds
-one chunk of the file at a time (a range's pages are given back once copied). With
+map of each shard (safetensors' `safe_open`, reopened every MAP_BYTES; the GGUF's own), one
+range of rows (CHUNK_BYTES) at a time, converted to the model dtype and copied into parameters
+already allocated on the target device in that dtype: a bf16 checkpoint never has a float32
+copy, and the host holds about one chunk of the file at a time. With
 `quantization="gguf"` a GGUF's projections keep their blocks instead: each such parameter becomes a
 QuantizedTensor of its pieces' blocks (kernels/quantized_tensor.py). The model gets its
 attention backend at construction and its linear backend once the weights are in.
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from specdec.kernels.attention import AttentionBackend, make_attention_backend
@@ -35,7 +36,6 @@ from specdec.models.config import ModelConfig
 from specdec.models.gguf_loader import GgufTensors, is_gguf, model_config, open_gguf
 from specdec.models.linear import PackedLinear
 from specdec.models.llama import LlamaForCausalLM
-from specdec.models.safetensors_rows import SafetensorsRows
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,13 @@ QUANTIZATIONS = ("none", "gguf", "q8_0", "q4_0", "q4_1")
 # The most a chunk of a weight read from the file may take, counted in float32 (a GGUF's
 # rows come dequantized to it): what a load holds on the host beyond the model itself.
 CHUNK_BYTES = 64 << 20
+# The bytes per element of the safetensors dtypes the loader reads (converted to the model's
+# dtype); the others (packed F4/F6, F8_E8M0 scales, U16-U64, complex) are no float weight.
+_ITEMSIZES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
+              "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+# The most of a shard's data one safe_open handle reads before it is dropped and the file
+# reopened: its map keeps every page read resident until then (SafetensorsShard).
+MAP_BYTES = CHUNK_BYTES
 
 
 @dataclass(frozen=True)
@@ -232,7 +239,7 @@ def _mlp_plan(config: ModelConfig, i: int) -> WeightPlan:
 class _Rows:
     """A checkpoint tensor not read yet: its shape, and its rows read a chunk at a time."""
 
-    handle: Any  # SafetensorsRows or GgufTensors
+    handle: Any  # SafetensorsShard or GgufTensors
     name: str
     shape: tuple[int, ...]
 
@@ -243,13 +250,84 @@ class _Rows:
         for first, rows in self.handle.chunks(self.name, max_rows):
             target = dest if broadcast else dest[first : first + rows.shape[0]]
             target.copy_(rows)  # converts on the host first when dtypes differ: one chunk's worth
+            del rows  # a view of the shard's map: its pages go with the last such view and the handle
+
+
+class SafetensorsShard:
+    """One shard's tensors by name, read as row ranges through safetensors' `safe_open`.
+
+    A handle maps the whole file, its tensors are views of the map, and every page a read
+    touched stays resident until the handle and the last of those views are gone: one handle
+    over a bf16 load onto the CPU peaked at the model plus the whole file (2.0x the checkpoint,
+    measured). So a handle serves at most MAP_BYTES of the file and is then dropped and the file
+    reopened (a header read, ~0.3 ms for a 272-tensor shard; one per MAP_BYTES read, or per
+    chunk of a tensor bigger than that): the host holds about MAP_BYTES of the file at a time.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        with self._open() as handle:
+            self.entries = {name: _dtype_and_shape(handle, name) for name in handle.keys()}
+        self._handle: Any = None  # the open safe_open, or None
+        self._served = 0  # bytes read through it
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """ValueError, naming the file, for a dtype the loader does not read."""
+        dtype, shape = self.entries[name]
+        if dtype not in _ITEMSIZES:
+            raise ValueError(f"{self.path}: tensor {name} has dtype {dtype}, which the loader does not read "
+                             f"(one of {', '.join(_ITEMSIZES)})")
+        return shape
+
+    def chunks(self, name: str, max_rows: int) -> Iterator[tuple[int, Tensor]]:
+        """(first row, [<= max_rows, *shape[1:]]) over the tensor's leading dimension (a 0-d
+        or 1-d tensor comes whole); each is a view of the map, to copy and drop."""
+        shape = self.shape(name)
+        row_bytes = _ITEMSIZES[self.entries[name][0]] * math.prod(shape[1:])
+        if len(shape) <= 1 or 0 in shape:
+            yield 0, self._read(name, None, row_bytes * (shape[0] if shape else 1))
+            return
+        for first in range(0, shape[0], max_rows):
+            stop = min(first + max_rows, shape[0])
+            yield first, self._read(name, slice(first, stop), row_bytes * (stop - first))
+
+    def close(self) -> None:
+        self._handle = None  # unmapped once the last view read through it goes too
+
+    def _read(self, name: str, rows: slice | None, nbytes: int) -> Tensor:
+        """The tensor's `rows` (None: all of it), through a handle that has served at most
+        MAP_BYTES before it; ValueError naming the file and tensor if safetensors fails."""
+        if self._handle is None or self._served + nbytes > MAP_BYTES:
+            self._handle, self._served = None, 0  # drop the old map before mapping again
+            self._handle = self._open()
+        self._served += nbytes
+        try:
+            tensor: Tensor = (self._handle.get_tensor(name) if rows is None
+                              else self._handle.get_slice(name)[rows])
+        except (SafetensorError, RuntimeError) as error:
+            raise ValueError(f"{self.path}: cannot read tensor {name}: {error}") from error
+        return tensor
+
+    def _open(self) -> Any:
+        try:
+            return safe_open(str(self.path), framework="pt")
+        except SafetensorError as error:
+            raise ValueError(f"{self.path} is not a readable safetensors file: {error}") from error
+
+
+def _dtype_and_shape(handle: Any, name: str) -> tuple[str, tuple[int, ...]]:
+    info = handle.get_slice(name)  # reads no data
+    return info.get_dtype(), tuple(info.get_shape())
 
 
 class _Source:
     """Checkpoint tensors first, fallback tensors for names the checkpoint lacks."""
 
     def __init__(self, tensors: dict[str, Any], fallback: dict[str, Tensor]):
-        self.tensors, self.fallback = tensors, fallback  # tensors: name -> SafetensorsRows or GgufTensors
+        self.tensors, self.fallback = tensors, fallback  # tensors: name -> SafetensorsShard or GgufTensors
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors or name in self.fallback
@@ -265,11 +343,11 @@ class _Source:
 
 @contextmanager
 def _open_checkpoint(model_dir: Path) -> Iterator[dict[str, Any]]:
-    """Yield tensor name -> its shard's SafetensorsRows, over every shard."""
+    """Yield tensor name -> its shard's SafetensorsShard, over every shard."""
     with ExitStack() as stack:
         index: dict[str, Any] = {}
         for path in _shard_files(model_dir):
-            shard = SafetensorsRows(path)
+            shard = SafetensorsShard(path)
             stack.callback(shard.close)
             index.update(dict.fromkeys(shard.keys(), shard))
         yield index

@@ -1,7 +1,8 @@
-"""The loader's host memory (specdec/models/loader.py, safetensors_rows.py): a bf16 checkpoint
-loads into parameters already in bf16 on the target device, through one chunk of the file at
-a time, never a float32 copy of a weight; the host's peak grows by less than 1.5x the file.
-Chunked reads give the same weights as whole ones, safetensors and GGUF alike."""
+"""The loader's host memory (specdec/models/loader.py): a bf16 checkpoint loads into
+parameters already in bf16 on the target device, through one chunk of the file at a time
+(safetensors' `safe_open` reopened every MAP_BYTES), never a float32 copy of a weight; the
+host's peak grows by less than 1.5x the file, and by more with one handle held over the whole
+load. Chunked reads give the same weights as whole ones, safetensors and GGUF alike."""
 from __future__ import annotations
 
 import json
@@ -18,8 +19,8 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec.models import loader
-from specdec.models.loader import load_model
-from specdec.models.safetensors_rows import SafetensorsRows
+from specdec.models.config import ModelConfig
+from specdec.models.loader import SafetensorsShard, load_model
 from tests.models.test_gguf_load import write_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,11 +28,13 @@ ROOT = Path(__file__).resolve().parents[2]
 LARGE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=5, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, vocab_size=32000)
 # Peak RSS growth over the load, in MiB, measured in a fresh process; `device` and the CUDA
-# context are set up before the baseline, so only the load is counted.
+# context are set up before the baseline, so only the load is counted. argv[3]: MAP_BYTES.
 MEASURE = """
 import json, sys, torch
+from specdec.models import loader
 from specdec.models.loader import load_model
 device = torch.device(sys.argv[2])
+loader.MAP_BYTES = int(sys.argv[3])
 if device.type == "cuda":
     torch.zeros(1, device=device)
 def status(key):
@@ -91,9 +94,9 @@ def tiny_bf16(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return path
 
 
-def measure_load(model_dir: Path, device: str) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-c", MEASURE, str(model_dir), device], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+def measure_load(model_dir: Path, device: str, map_bytes: int = loader.MAP_BYTES) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", MEASURE, str(model_dir), device, str(map_bytes)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     return result
@@ -104,10 +107,17 @@ def file_mib(model_dir: Path) -> float:
 
 
 def test_a_bf16_load_onto_the_cpu_grows_the_host_by_less_than_1_5x_the_file(large_bf16: Path) -> None:
-    """The model itself is on the host here (1.0x): what is left is one chunk of the file;
-    safetensors' own map kept every page it read (2.04x, measured before)."""
+    """The model itself is on the host here (1.0x): what is left is MAP_BYTES of the file."""
     measured = measure_load(large_bf16, "cpu")
     assert measured["growth"] < 1.5 * file_mib(large_bf16), (measured["growth"], file_mib(large_bf16))
+
+
+def test_one_safe_open_held_over_the_whole_load_exceeds_the_bound(large_bf16: Path) -> None:
+    """The control: a handle never reopened keeps every page it read, the model plus the
+    whole file (about 2x), so the measurement above can fail; same weights either way."""
+    held, reopened = measure_load(large_bf16, "cpu", map_bytes=1 << 62), measure_load(large_bf16, "cpu")
+    assert held["growth"] > 1.5 * file_mib(large_bf16), (held["growth"], file_mib(large_bf16))
+    assert held["sums"] == reopened["sums"]
 
 
 @pytest.mark.cuda
@@ -135,6 +145,7 @@ def test_chunked_reads_give_the_same_weights_as_whole_ones(tiny_model_dir: Path,
         whole = parameters(load_model(model_dir, dtype=dtype))
         with monkeypatch.context() as patch:
             patch.setattr(loader, "CHUNK_BYTES", 1000)  # a few rows a chunk, rows split unevenly
+            patch.setattr(loader, "MAP_BYTES", 1000)  # the shard reopened every chunk or so
             chunked = parameters(load_model(model_dir, dtype=dtype))
         assert whole.keys() == chunked.keys()
         assert all(torch.equal(whole[name], chunked[name]) for name in whole), model_dir
@@ -197,17 +208,18 @@ def test_a_gguf_loaded_in_bf16_holds_float32_one_chunk_at_a_time(tiny_model_dir:
 # ---- the shard reader ----------------------------------------------------------------------------------
 
 
-def chunks(shard: SafetensorsRows, name: str, max_rows: int) -> Iterator[tuple[int, torch.Tensor]]:
+def chunks(shard: SafetensorsShard, name: str, max_rows: int) -> Iterator[tuple[int, torch.Tensor]]:
     for first, rows in shard.chunks(name, max_rows):
-        yield first, rows.clone()  # a view is only good until the next chunk
+        yield first, rows.clone()  # a view of the map: copied, as the loader does
 
 
-def test_the_reader_gives_each_tensor_in_row_ranges(tmp_path: Path) -> None:
+def test_the_reader_gives_each_tensor_in_row_ranges(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tensors = {"matrix": torch.arange(70, dtype=torch.float32).reshape(7, 10), "vector": torch.arange(5.0),
                "scalar": torch.tensor(3, dtype=torch.int64), "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
                "half": torch.randn(5, 3).to(torch.float16)}
     save_file(tensors, str(tmp_path / "t.safetensors"))
-    shard = SafetensorsRows(tmp_path / "t.safetensors")
+    monkeypatch.setattr(loader, "MAP_BYTES", 100)  # reopened within "matrix" (280 bytes) too
+    shard = SafetensorsShard(tmp_path / "t.safetensors")
     got = list(chunks(shard, "matrix", 3))
     assert [first for first, _ in got] == [0, 3, 6] and [rows.shape[0] for _, rows in got] == [3, 3, 1]
     assert torch.equal(torch.cat([rows for _, rows in got]), tensors["matrix"])
@@ -219,14 +231,62 @@ def test_the_reader_gives_each_tensor_in_row_ranges(tmp_path: Path) -> None:
     shard.close()
 
 
+def count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    opened: list[str] = []
+    real = loader.safe_open
+
+    def counted(path: str, framework: str) -> Any:
+        opened.append(path)
+        return real(path, framework=framework)
+
+    monkeypatch.setattr(loader, "safe_open", counted)
+    return opened
+
+
+def test_a_shard_is_reopened_per_map_bytes_read_not_per_tensor(tiny_bf16: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every reopening reads the header again: the tiny model (well under MAP_BYTES) takes one
+    for the names and shapes and one for all its tensors; with MAP_BYTES at a byte, one more
+    per tensor (each read whole: CHUNK_BYTES is far larger)."""
+    opened = count_opens(monkeypatch)
+    load_model(tiny_bf16, dtype=torch.bfloat16)
+    assert len(opened) == 2
+    opened.clear()
+    monkeypatch.setattr(loader, "MAP_BYTES", 1)
+    load_model(tiny_bf16, dtype=torch.bfloat16)
+    plan = loader.weight_plan(ModelConfig.from_dir(tiny_bf16))
+    assert len(opened) == 1 + len({piece.hf_name for pieces in plan.values() for piece in pieces})
+
+
 def test_a_file_that_is_no_safetensors_or_is_cut_short_is_a_clear_error(tmp_path: Path) -> None:
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"\xff" * 64)
-    with pytest.raises(ValueError, match="junk.safetensors is not a safetensors file"):
-        SafetensorsRows(junk)
+    with pytest.raises(ValueError, match="junk.safetensors is not a readable safetensors file: .*header"):
+        SafetensorsShard(junk)
     whole = tmp_path / "whole.safetensors"
     save_file({"w": torch.randn(64, 64)}, str(whole))
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(whole.read_bytes()[:-100])
-    with pytest.raises(ValueError, match="cut.safetensors is truncated: tensor w ends at byte"):
-        SafetensorsRows(cut)
+    with pytest.raises(ValueError, match="cut.safetensors is not a readable safetensors file: .*incomplete"):
+        SafetensorsShard(cut)
+
+
+def test_a_dtype_the_loader_does_not_read_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "scales.safetensors"
+    save_file({"w": torch.ones(4, 4, dtype=torch.complex64)}, str(path))
+    shard = SafetensorsShard(path)
+    with pytest.raises(ValueError, match="scales.safetensors: tensor w has dtype C64, which the loader does not read"):
+        shard.shape("w")
+
+
+def test_a_shard_rewritten_during_the_load_is_an_error_naming_file_and_tensor(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "shard.safetensors"
+    save_file({"w": torch.randn(8, 8)}, str(path))
+    monkeypatch.setattr(loader, "MAP_BYTES", 32)  # a new handle for each row
+    shard = SafetensorsShard(path)
+    rows = shard.chunks("w", 1)
+    next(rows)
+    save_file({"other": torch.randn(8, 8)}, str(path))  # the next row reopens the new file
+    with pytest.raises(ValueError, match="shard.safetensors: cannot read tensor w: "):
+        next(rows)
