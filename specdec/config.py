@@ -15,6 +15,9 @@ METHODS = ("ngram", "suffix", "hybrid", "draft_model", "medusa", "eagle3")
 # The default speculation (default_speculative_config): trees of up to 16 nodes, 16 deep
 # (a long copied run is drafted whole; nodes not worth their verify row are cut).
 DEFAULT_HEADS = "smollm2-135m-medusa-recurrent"  # shipped in drafters/weights, for DEFAULT_MODEL
+# The EAGLE-3 head trained for DEFAULT_MODEL (drafters/weights): not the default yet, see
+# eagle3_hybrid_config.
+EAGLE3_HEADS = "smollm2-135m-eagle3"
 DEFAULT_DRAFT_DEPTH = 16
 DEFAULT_TREE_NODES = 16
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k tokens of KV for the default model in fp16
@@ -433,6 +436,16 @@ def default_speculative_config(model: str, device: torch.device) -> SpeculativeC
     config = SpeculativeConfig(method="hybrid", num_speculative_tokens=DEFAULT_DRAFT_DEPTH,
                                num_tree_nodes=DEFAULT_TREE_NODES, adaptive=True,
                                model=DEFAULT_HEADS if model == DEFAULT_MODEL else None)
+    config.validate()
+    return config
+
+
+def eagle3_hybrid_config() -> SpeculativeConfig:
+    """The default's adaptive hybrid drafting with the shipped EAGLE-3 head (for
+    DEFAULT_MODEL) in place of the recurrent heads, to measure against the default; pass it
+    (or its fields as JSON) as speculative_config."""
+    config = SpeculativeConfig(method="hybrid", num_speculative_tokens=DEFAULT_DRAFT_DEPTH,
+                               num_tree_nodes=DEFAULT_TREE_NODES, adaptive=True, model=EAGLE3_HEADS)
     config.validate()
     return config
 

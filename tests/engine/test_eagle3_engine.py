@@ -331,3 +331,17 @@ def test_cuda_graphs_capture_features_and_eagle3_stays_lossless(tiny_model_dir: 
     assert graphed.get_metrics()["num_drafts"] > 0
     assert_all_blocks_free(graphed)
     _check_drafter_empty(graphed)
+
+
+def test_the_eagle3_hybrid_config_names_the_shipped_head() -> None:
+    from specdec.config import DEFAULT_HEADS, EAGLE3_HEADS, default_speculative_config, eagle3_hybrid_config
+    from specdec.drafters.eagle3 import SHIPPED, is_eagle3_dir
+    from specdec.model_registry import DEFAULT_MODEL
+
+    config = eagle3_hybrid_config()
+    assert (config.method, config.model, config.adaptive) == ("hybrid", EAGLE3_HEADS, True)
+    default = default_speculative_config(DEFAULT_MODEL, torch.device("cpu"))
+    assert default is not None and default.model == DEFAULT_HEADS  # not the default
+    assert not is_eagle3_dir(DEFAULT_HEADS)  # recurrent heads: the hybrid builds those
+    if (SHIPPED / EAGLE3_HEADS).is_dir():
+        assert is_eagle3_dir(EAGLE3_HEADS)
