@@ -11,6 +11,11 @@ length grows by its padding, so its real tokens see exactly the keys they see un
 and its padding rows (whose results are dropped) see what follows. The Triton backend is
 the one that captures: its plan derives everything from device tensors.
 
+A decode shape's graph also runs the LM head and samples every row
+(specdec/graph_sampling.py): under overlap scheduling, a decode step is then one launch
+whose output is its sampled tokens. Verify shapes stop at the final norm; their logits
+are computed after the replay, on the rows that need them.
+
 Steps that fit no shape (prefill chunks, anything larger) run eagerly. The choice of
 shapes and the padding are plain host code, tested on the CPU; capture and replay need a
 GPU (`cuda`-marked tests).
@@ -25,6 +30,7 @@ import torch
 
 from specdec.config import EngineConfig
 from specdec.executor import Executor, choose_executor
+from specdec.graph_sampling import GraphSampler, GraphTokens, RootSampling
 from specdec.kernels.kv_cache import PagedKV
 from specdec.kernels.metadata import AttentionMetadata
 from specdec.model_runner import (
@@ -52,6 +58,11 @@ class GraphShape:
     @property
     def num_tokens(self) -> int:
         return self.batch_size * self.query_len
+
+    @property
+    def decodes(self) -> bool:
+        """A decode shape (one query token a request): its graph samples too."""
+        return self.query_len == 1
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -179,6 +190,16 @@ class CapturedStep:
     hidden: torch.Tensor  # [num_tokens, H] the graph's output buffer
 
 
+@dataclass
+class DecodeOutputs:
+    """A decode graph's logits and tokens: the tensors the last run of its forward made.
+    The captured run is the last on a GPU, so they are the graph's own, refilled by every
+    replay (as CapturedStep.hidden); a CPU stand-in that reruns the forward updates them."""
+
+    logits: torch.Tensor | None = None  # [B, V] float32
+    tokens: torch.Tensor | None = None  # [B] int64, NO_TOKEN where the graph decides nothing
+
+
 def capture_graph(forward: Callable[[], torch.Tensor], pool: _POOL_HANDLE, device: torch.device) -> CapturedStep:
     """`forward` run once off the capture (Triton compiles, cuBLAS picks its kernels),
     then captured; replaying the graph refills the returned buffer."""
@@ -210,6 +231,9 @@ class CudaGraphs(Executor):
         longest = max_model_len + 2 * max(s.query_len for s in self.shapes)
         self.static = StaticInputs(self.shapes, -(-longest // config.block_size), device)
         self.captured: dict[GraphShape, CapturedStep] = {}
+        self.decoded = {shape: DecodeOutputs() for shape in self.shapes if shape.decodes}
+        self.sampler = GraphSampler(max(s.batch_size for s in self.decoded), self.model.config.vocab_size, device,
+                                    use_triton=self.model.attention_backend.name == "triton")
         self.features: torch.Tensor | None = None  # [max tokens, n * H] the graphs' feature buffer, once captured
         self.capture()
 
@@ -232,12 +256,22 @@ class CudaGraphs(Executor):
             self.captured[shape] = capture_graph(self._forward(shape), pool, self.device)
 
     def _forward(self, shape: GraphShape) -> Callable[[], torch.Tensor]:  # () -> [num_tokens, H]
-        """The target's forward of a `shape` step on the static buffers."""
+        """The target's forward of a `shape` step on the static buffers; for a decode
+        shape also its logits and sampled tokens, kept in self.decoded[shape]."""
         t = shape.num_tokens
         meta = self.static.metadata(shape)
         features = None if self.features is None else self.features[:t]
-        return lambda: self.eager.forward(self.static.token_ids[:t], self.static.positions[:t], self.kv_cache.layers,
-                                          meta, features)
+
+        def forward() -> torch.Tensor:  # [num_tokens, H]
+            hidden = self.eager.forward(self.static.token_ids[:t], self.static.positions[:t], self.kv_cache.layers,
+                                        meta, features)
+            if shape.decodes:
+                outputs = self.decoded[shape]
+                outputs.logits = self.model.compute_logits(hidden)  # [B, V]
+                outputs.tokens = self.sampler.sample(outputs.logits)  # [B]
+            return hidden
+
+        return forward
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[PagedKV],
                 meta: AttentionMetadata, features: torch.Tensor | None = None) -> torch.Tensor:
@@ -249,12 +283,32 @@ class CudaGraphs(Executor):
             return self.eager.run(inputs, kv_caches, device)
         padded = pad_inputs(inputs, shape, self.block_size)
         self.static.fill(padded, shape)
+        # Features are committed with their step (no overlap), so such steps sample on the host.
+        sampling = inputs.sampling if shape.decodes and self.features is None else None
+        if sampling is not None:
+            self.sampler.fill(sampling, shape.batch_size)
         step = self.captured[shape]
         step.graph.replay()
-        # Gathered into new tensors: the next replay overwrites the graph's buffer.
-        hidden = step.hidden[to_device(padded.logit_rows, torch.int64, device)]  # [R, H]
-        return ForwardOutput(self.model.compute_logits(hidden), hidden, inputs.num_rows,
-                             self._unpadded_features(inputs, shape))
+        # Gathered into new tensors: the next replay overwrites the graph's buffers.
+        rows = to_device(padded.logit_rows, torch.int64, device)
+        hidden = step.hidden[rows]  # [R, H]
+        if not shape.decodes:
+            logits = self.model.compute_logits(hidden)  # [R, V]
+        else:  # request b's row is row b
+            logits = self._decoded(shape)[0][rows]  # [R, V]
+        return ForwardOutput(logits, hidden, inputs.num_rows, self._unpadded_features(inputs, shape),
+                             self._sampled(shape, sampling, len(inputs.query_lens)))
+
+    def _decoded(self, shape: GraphShape) -> tuple[torch.Tensor, torch.Tensor]:  # [B, V] logits, [B] tokens
+        outputs = self.decoded[shape]
+        assert outputs.logits is not None and outputs.tokens is not None, f"{shape} was not captured"
+        return outputs.logits, outputs.tokens
+
+    def _sampled(self, shape: GraphShape, sampling: RootSampling | None, batch_size: int) -> GraphTokens | None:
+        """The replayed step's tokens, per real request, copied out of the graph's buffer."""
+        if sampling is None:
+            return None
+        return GraphTokens(self._decoded(shape)[1][:batch_size].clone(), sampling.rows)
 
     def _unpadded_features(self, inputs: StepInputs, shape: GraphShape) -> torch.Tensor | None:  # [T, n * H]
         """The replayed step's features of the real query rows, in batch order (request b's

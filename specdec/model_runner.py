@@ -16,6 +16,7 @@ from specdec.spec.tree import DraftTree
 
 if TYPE_CHECKING:
     from specdec.executor import Executor
+    from specdec.graph_sampling import GraphTokens, RootSampling
 
 
 @dataclass
@@ -26,15 +27,20 @@ class ForwardOutput:
     # [T, n * H] EAGLE-3's target features of EVERY query row (known tokens and tree nodes,
     # in batch order), when the executor captures them (Executor.capture_features); else None
     features: torch.Tensor | None = None
+    # The tokens a decode graph sampled (overlap scheduling asked for them, Feed.sampling, and
+    # the step replayed a graph; specdec/graph_sampling.py); else None
+    sampled: GraphTokens | None = None
 
 
 @dataclass
 class Feed:
-    """Root tokens known on the device only (overlap scheduling, specdec/overlap.py): the
-    root of batch[requests[j]] is tokens[j], sampled by the step before, not read back yet."""
+    """What overlap scheduling (specdec/overlap.py) hands a step's forward on the device:
+    root tokens known there only (the root of batch[requests[j]] is tokens[j], sampled by
+    the step before, not read back yet), and how a decode graph is to sample the step."""
 
     requests: list[int]  # [F] batch indices
     tokens: torch.Tensor  # [F] int64 on the device
+    sampling: RootSampling | None = None  # the step's rows sampled in its graph, if one replays it
 
 
 @dataclass
@@ -57,6 +63,7 @@ class StepInputs:
     # a root sampled by the step before and not read back yet (model_runner.Feed)
     fed_rows: list[int] = field(default_factory=list)
     fed_tokens: torch.Tensor | None = None  # [F] int64 on the device
+    sampling: RootSampling | None = None  # Feed.sampling: a decode graph samples these rows
 
 
 class KVCache:
@@ -118,6 +125,7 @@ class ModelRunner:
         if feed is not None:
             inputs.fed_rows = [roots[i] for i in feed.requests]
             inputs.fed_tokens = feed.tokens
+            inputs.sampling = feed.sampling
             for row in inputs.fed_rows:
                 inputs.token_ids[row] = 0  # a valid id for the upload; the device value replaces it
         return inputs

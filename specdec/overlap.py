@@ -49,6 +49,12 @@ What does not overlap:
 Sampling a root-only row here is what `specdec.spec.verify.verify` does for it (argmax for
 greedy rows; for sampled rows the exponential race, keyed by position for seeded ones), so
 greedy and seeded outputs are identical with and without overlap (tests/engine/test_overlap.py).
+
+With CUDA graphs a decode step's rows are sampled inside its graph, the same way
+(specdec/graph_sampling.py): `Pipeline.feed` decides once per step, from the batch's params,
+which rows the graph samples (`plan_sampling`), and `sample_roots` takes those rows' tokens
+from the graph and samples only the others (logits processors, grammars, top-k / top-p /
+min-p) from the logits, as above. A step that replays no decode graph samples every row here.
 """
 from __future__ import annotations
 
@@ -58,14 +64,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specdec.graph_sampling import NO_TOKEN, RootSampling, plan_rows
 from specdec.logits_processors import process_logits
 from specdec.model_runner import Feed, ForwardOutput
 from specdec.sampler import SamplingTensors, argmax, logits_to_probs, sample_keyed, sample_probs, top_logprobs
 from specdec.scheduler import ScheduledRequest
 from specdec.spec.tree import DraftTree
 from specdec.spec.verify import Verified
-
-NO_TOKEN = -1  # a request the step decided no token for (mid-prefill, or a fault)
 
 
 @dataclass
@@ -109,13 +114,18 @@ class SampledStep:
 def sample_roots(batch: list[ScheduledRequest], trees: list[DraftTree], output: ForwardOutput) -> SampledStep:
     """Sample every request's one logits row on the device (trees are roots alone) and
     start copying the tokens to the host; nothing here waits for the device but a
-    grammar's empty-row check."""
+    grammar's empty-row check. Rows the step's graph sampled (output.sampled) are taken
+    as they are."""
     device = output.logits.device
     logits, faults = process_logits(output.logits, [item.request for item in batch], trees,
                                     output.num_rows)  # [R, V]
     starts = _row_starts(output.num_rows)
-    active = [i for i, n in enumerate(output.num_rows) if n and i not in faults]
-    tokens = torch.full((len(batch),), NO_TOKEN, dtype=torch.int64, device=device)  # [B]
+    done = set(output.sampled.rows) if output.sampled is not None else set()
+    active = [i for i, n in enumerate(output.num_rows) if n and i not in faults and i not in done]
+    if output.sampled is not None:  # [B] NO_TOKEN outside `done`; a copy made out of inference mode to write in
+        tokens = output.sampled.tokens.clone() if active else output.sampled.tokens
+    else:
+        tokens = torch.full((len(batch),), NO_TOKEN, dtype=torch.int64, device=device)  # [B]
     greedy = [i for i in active if batch[i].request.sampling_params.greedy]
     if greedy:
         tokens[_index(greedy, device)] = argmax(logits[_index([starts[i] for i in greedy], device)])
@@ -206,12 +216,27 @@ class Pipeline:
         return any(item.num_draft_tokens and item.request.num_pending for item in batch)
 
     def feed(self, batch: Sequence[ScheduledRequest]) -> Feed | None:
-        """The root tokens of `batch`'s requests that are still on the device: gathered
-        there from the step in flight, for the model runner to scatter into the inputs."""
+        """The root tokens of `batch`'s requests that are still on the device (gathered
+        there from the step in flight, for the model runner to scatter into the inputs),
+        and which rows a decode graph is to sample (`plan_sampling`)."""
+        sampling = plan_sampling(batch) if self.enabled else None
         step = self.in_flight
         fed = [i for i, item in enumerate(batch) if item.request.num_pending]
         if not fed:
-            return None
+            return None if sampling is None else Feed([], torch.zeros(0, dtype=torch.int64), sampling)
         assert step is not None, "a token is pending but no step is in flight"
         source = [step.rows[id(batch[i].request)] for i in fed]
-        return Feed(fed, step.tokens[_index(source, step.tokens.device)])
+        return Feed(fed, step.tokens[_index(source, step.tokens.device)], sampling)
+
+
+def plan_sampling(batch: Sequence[ScheduledRequest]) -> RootSampling | None:
+    """Which of a step's rows its decode graph samples (graph_sampling.samples_in_graph),
+    decided from the batch's params before the forward; None where no decode graph will
+    replay the step (a prefill chunk, or drafts may be granted: a verify step samples on the
+    host) or no row qualifies. A seeded row is keyed by the position it decides, the one
+    after its root (as `_sample`)."""
+    if any(item.num_draft_tokens or item.num_new_tokens != 1 for item in batch):
+        return None
+    plan = plan_rows([item.request for item in batch], [item.completes_prompt for item in batch],
+                     [item.request.num_computed_tokens + item.num_new_tokens for item in batch])
+    return plan if plan.rows else None
