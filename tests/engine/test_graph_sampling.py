@@ -14,6 +14,7 @@ import os
 # Must precede any import of triton (see tests/engine/test_triton_engine.py).
 os.environ.setdefault("TRITON_INTERPRET", "1")  # an explicit 0 (`-m cuda` on a GPU) stands
 
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -30,7 +31,7 @@ from specdec.request import Request  # noqa: E402
 from specdec.sampler import SamplingTensors, argmax, logits_to_probs, sample_keyed  # noqa: E402
 from specdec.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from specdec.scheduler import ScheduledRequest  # noqa: E402
-from tests.engine.test_overlap import assert_same_runs, make_llm, stream  # noqa: E402
+from tests.engine.test_overlap import make_llm, stream  # noqa: E402
 from tests.engine.test_triton_engine import capture_eagerly  # noqa: E402
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts  # noqa: E402
 
@@ -169,7 +170,7 @@ def by_request(seen: Stream) -> dict[str, Stream]:
     return out
 
 
-def assert_runs_agree(model_dir: Path, monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]],
+def assert_runs_agree(make: Callable[[bool], LLM], monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]],
                       params: list[SamplingParams], abort_after: dict[str, int] | None = None) -> Stream:
     """Overlap with in-graph sampling streams exactly what overlap with every row sampled on
     the host path does, and per request what the synchronous engine does; every block freed."""
@@ -178,7 +179,7 @@ def assert_runs_agree(model_dir: Path, monkeypatch: pytest.MonkeyPatch, prompts:
         with monkeypatch.context() as patch:
             if not in_graph:
                 patch.setattr(overlap, "plan_sampling", lambda batch: None)
-            llm = graph_llm(model_dir, overlap_on)
+            llm = make(overlap_on)
             runs.append(stream(llm, prompts, params, abort_after))
             assert_all_blocks_free(llm)
     sync, graph, host = runs
@@ -191,7 +192,8 @@ def test_greedy_and_seeded_in_the_graph(tiny_model_dir: Path, eager_graphs: list
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = random_prompts(3, 3)
     prompts.append(prompts[0])
-    assert_runs_agree(tiny_model_dir, monkeypatch, prompts, [greedy(6), sampled(0.9, 4), greedy(4), sampled(1.2, 21)])
+    params = [greedy(6), sampled(0.9, 4), greedy(4), sampled(1.2, 21)]
+    assert_runs_agree(lambda o: graph_llm(tiny_model_dir, o), monkeypatch, prompts, params)
     in_graph = [(rows, size) for rows, size in eager_graphs if rows is not None]
     assert any(len(rows) == size for rows, size in in_graph)  # whole steps sampled in their graphs
     assert any(rows is None for rows, _ in eager_graphs)  # prefills, and the run without
@@ -213,7 +215,7 @@ def test_mixed_batches_stops_and_aborts(tiny_model_dir: Path, eager_graphs: list
         sampled(0.7, 9),
     ]
     prompts.append(prompts[1])
-    seen = assert_runs_agree(tiny_model_dir, monkeypatch, prompts, params, {"r4": 3})
+    seen = assert_runs_agree(lambda o: graph_llm(tiny_model_dir, o), monkeypatch, prompts, params, {"r4": 3})
     finals = {rid: (tokens, reason) for rid, tokens, reason, _ in seen if reason is not None}
     assert finals["r0"] == (probe[:probe.index(probe[2]) + 1], "stop") and finals["r4"][1] == "abort"
     assert any(0 < len(rows) < size for rows, size in eager_graphs if rows is not None)  # mixed steps
@@ -261,8 +263,8 @@ def test_captured_sampler_matches_the_host_path() -> None:
 @pytest.mark.cuda
 def test_cuda_graphs_sample_in_the_graph(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine on a GPU with captured graphs: overlap with in-graph sampling streams what
-    the synchronous engine does (greedy, seeded, a penalty row on the host path, stops,
-    an abort), and decode steps did sample in their graphs."""
+    overlap with host sampling and the synchronous engine do (greedy, seeded, a penalty row
+    on the host path, stops, an abort), and decode steps did sample in their graphs."""
     _skip_interpreted()
     steps: list[bool] = []
     sample_roots = overlap.sample_roots
@@ -279,8 +281,8 @@ def test_cuda_graphs_sample_in_the_graph(tiny_model_dir: Path, monkeypatch: pyte
         assert isinstance(llm.engine.runner.executor, CudaGraphs)
         return llm
 
-    prompts = random_prompts(4, 3)
+    prompts = random_prompts(4, 4)
     params = [greedy(10), sampled(0.8, 5), SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.4),
               greedy(13)]
-    assert_same_runs(make, prompts, params, abort_after={"r3": 4})
+    assert_runs_agree(make, monkeypatch, prompts, params, {"r3": 4})
     assert any(steps)
