@@ -208,7 +208,8 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
-        self.target_embedding = target_embedding  # kept by reference: the target owns it
+        # Kept by reference (the target owns it), unregistered even when it is a Parameter.
+        self.target_embedding = None if target_embedding is None else target_embedding.detach()
 
     # -- the pieces drafting and training share -------------------------------------------
 

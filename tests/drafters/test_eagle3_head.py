@@ -235,3 +235,11 @@ def test_bad_vocab_maps_refused(tmp_path: Path, tiny_eagle3_dir: Path, tiny_mode
     w["t2d"] = torch.ones_like(w["t2d"])
     with pytest.raises(ValueError, match="tensor t2d: does not mark exactly"):
         load(rewrite(tiny_eagle3_dir, tmp_path / "b", tensors=w), tiny_model_dir)
+
+
+def test_target_embedding_parameter_is_not_the_heads(tiny_eagle3_dir: Path, tiny_model_dir: Path) -> None:
+    """The target's embedding is usually an nn.Parameter: the head uses it without owning it."""
+    config, embedding = target_parts(tiny_model_dir)
+    head = load_eagle3_head(tiny_eagle3_dir, config, torch.nn.Parameter(embedding))
+    assert "target_embedding" not in head.state_dict() and not any(p is embedding for p in head.parameters())
+    assert torch.equal(head.embed(torch.tensor([5])), embedding[5:6])
