@@ -32,6 +32,7 @@ from specdec.sampling_params import SamplingParams
 DRAFT_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-draft"
 MEDUSA_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-medusa"
 RECURRENT_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-medusa-recurrent"
+EAGLE3_DIR = Path(__file__).parents[1] / "drafters" / "weights" / "smollm2-135m-eagle3"
 PRESETS: dict[str, dict[str, Any] | str | None] = {
     "plain": None,
     "default": "auto",  # what the engine runs when given no speculative_config
@@ -57,6 +58,12 @@ PRESETS.update({f"medusa-rec{'' if k == 6 else f'-k{k}'}": {
     "method": "medusa", "num_speculative_tokens": k, "model": str(RECURRENT_DIR)} for k in (5, 6, 8, 16)})
 PRESETS.update({f"medusa-rec-tree{n}": {"method": "medusa", "num_speculative_tokens": 6, "num_tree_nodes": n,
                                          "model": str(RECURRENT_DIR)} for n in (6, 8, 16, 24, 64)})
+# The shipped EAGLE-3 head: dynamic trees of n drafts up to depth 6 (the depth it was trained
+# to), and the default's adaptive hybrid with it in place of the recurrent heads.
+PRESETS.update({f"eagle3-tree{n}": {"method": "eagle3", "num_speculative_tokens": 6, "num_tree_nodes": n,
+                                     "model": str(EAGLE3_DIR)} for n in (6, 8, 16, 24)})
+PRESETS["default-eagle3"] = {"method": "hybrid", "num_speculative_tokens": 16, "num_tree_nodes": 16,
+                             "adaptive": True, "model": str(EAGLE3_DIR)}
 # "<preset>-adaptive": the same drafter with adaptive speculation (k chosen per step, down to 0).
 PRESETS.update({f"{name}-adaptive": {**config, "adaptive": True} for name, config in PRESETS.items()
                 if isinstance(config, dict)})
