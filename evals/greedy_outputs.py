@@ -37,6 +37,10 @@ CONFIGS: dict[str, dict[str, Any] | str | None] = {
     "medusa_rec_tree6": {"method": "medusa", "num_speculative_tokens": 6, "num_tree_nodes": 6,
                          "model": str(WEIGHTS / "smollm2-135m-medusa-recurrent")},
     "ngram_adaptive": {"method": "ngram", "num_speculative_tokens": 5, "adaptive": True},
+    "eagle3_tree16": {"method": "eagle3", "num_speculative_tokens": 6, "num_tree_nodes": 16,
+                      "model": str(WEIGHTS / "smollm2-135m-eagle3")},
+    "default_eagle3": {"method": "hybrid", "num_speculative_tokens": 16, "num_tree_nodes": 16, "adaptive": True,
+                       "model": str(WEIGHTS / "smollm2-135m-eagle3")},
 }
 
 
