@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -200,9 +200,12 @@ class DecodeOutputs:
     tokens: torch.Tensor | None = None  # [B] int64, NO_TOKEN where the graph decides nothing
 
 
-def capture_graph(forward: Callable[[], torch.Tensor], pool: _POOL_HANDLE, device: torch.device) -> CapturedStep:
+Out = TypeVar("Out")
+
+
+def record(forward: Callable[[], Out], pool: _POOL_HANDLE, device: torch.device) -> tuple[torch.cuda.CUDAGraph, Out]:
     """`forward` run once off the capture (Triton compiles, cuBLAS picks its kernels),
-    then captured; replaying the graph refills the returned buffer."""
+    then captured: the graph, and the buffers its replays refill."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -210,8 +213,13 @@ def capture_graph(forward: Callable[[], torch.Tensor], pool: _POOL_HANDLE, devic
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        hidden = forward()
-    return CapturedStep(graph, hidden)
+        outputs = forward()
+    return graph, outputs
+
+
+def capture_graph(forward: Callable[[], torch.Tensor], pool: _POOL_HANDLE, device: torch.device) -> CapturedStep:
+    """A step's forward captured; replaying the graph refills the returned buffer."""
+    return CapturedStep(*record(forward, pool, device))
 
 
 class CudaGraphs(Executor):

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from specdec.cuda_graphs import record
+
 HeadForward = Callable[..., tuple[torch.Tensor, ...]]  # row-major inputs -> row-major outputs
 
 
@@ -42,17 +44,8 @@ class CapturedHeads:
 
 
 def capture(forward: Callable[[], tuple[torch.Tensor, ...]], pool: Any, device: torch.device) -> CapturedHeads:
-    """`forward` run once off the capture (Triton compiles, cuBLAS picks its kernels),
-    then captured; replaying the graph refills the returned buffers."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        forward()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = forward()
-    return CapturedHeads(graph, outputs)
+    """`forward` captured (cuda_graphs.record); replaying the graph refills the returned buffers."""
+    return CapturedHeads(*record(forward, pool, device))
 
 
 class HeadGraphs:

@@ -20,12 +20,22 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import torch
 import uvicorn
 from torch import Tensor
 
 from specdec.kernels import AttentionBackend, AttentionMetadata, PagedKV
 from specdec.sampling_params import SamplingParams
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# The Triton kernels' tests run on CPU tensors under the interpreter and, `cuda`-marked,
+# compiled on a GPU (TRITON_INTERPRET=0 pytest -m cuda).
+TRITON_DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        INTERPRETED, reason="the compiled kernels: run with TRITON_INTERPRET=0")]),
+]
 
 
 def make_kv_caches(

@@ -15,7 +15,6 @@ The `cuda` variants run the compiled kernels:
 """
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ from specdec.models import LlamaForCausalLM
 from specdec.models.loader import load_model
 from tests.helpers import (
     NGRAM,
+    TRITON_DEVICES,
     assert_all_blocks_free,
     greedy,
     random_parents,
@@ -42,12 +42,6 @@ from tests.helpers import (
     tree_mask_from_parents,
 )
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-        INTERPRETED, reason="the compiled kernels: run with TRITON_INTERPRET=0")]),
-]
 DTYPES = [torch.float32, torch.bfloat16]
 BLOCK_SIZE, NUM_BLOCKS = 8, 12
 MEDUSA_TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
@@ -95,7 +89,7 @@ def triton_model(model_dir: Path, dtype: torch.dtype, device: str) -> LlamaForCa
     return model
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_verify_rows_equal_decode_logits(tiny_model_dir: Path, device: str, dtype: torch.dtype) -> None:
     """A 1 + 3 chain and a 6-node tree verified in one forward each: every row's logits
@@ -119,7 +113,7 @@ def test_verify_rows_equal_decode_logits(tiny_model_dir: Path, device: str, dtyp
         assert torch.equal(logits, tree_logits[i]), f"tree node {i}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_ops_compute_what_the_torch_ops_compute(tiny_model_dir: Path, device: str) -> None:
     """float32, a prompt then a 1 + 3 chain: the Triton path's logits, and the residual
     stream entering each layer that it captures, equal the torch path's (torch attention,
@@ -168,7 +162,7 @@ def triton_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     yield launches
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_every_residual_add_is_fused_with_a_norm(tiny_model_dir: Path, device: str,
                                                  triton_launches: Counter[str]) -> None:
     """A layer launches nine kernels: four GEMMs, two add + RMSNorm (the first layer's
@@ -199,7 +193,7 @@ def make_llm(model_dir: Path, medusa_dir: Path, method: str, dtype: str, device:
                dtype=dtype, device=device, speculative_config=spec_config(method, medusa_dir))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("method,dtype", [("ngram", "float32"), ("medusa_tree", "bfloat16")])
 def test_greedy_speculation_equals_plain(tiny_model_dir: Path, tiny_medusa_dir: Path, device: str, method: str,
                                          dtype: str) -> None:

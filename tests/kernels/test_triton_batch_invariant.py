@@ -16,8 +16,6 @@ GPU (`assert_rounded_as_torch`).
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -28,14 +26,16 @@ from specdec.kernels.linear_triton import TritonLinear
 from specdec.kernels.metadata import AttentionMetadata
 from specdec.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton
 from specdec.models.linear import PackedLinear
-from tests.helpers import attend, make_meta, random_inputs, random_parents, tree_mask_from_parents
+from tests.helpers import (
+    INTERPRETED,
+    TRITON_DEVICES,
+    attend,
+    make_meta,
+    random_inputs,
+    random_parents,
+    tree_mask_from_parents,
+)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-        INTERPRETED, reason="the compiled kernels: run with TRITON_INTERPRET=0")]),
-]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Relative tolerance against the float64 reference, per dtype of inputs and output.
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -67,7 +67,7 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 # ---- the GEMM and the LM head ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_row_alone_equals_row_among_others(device: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
@@ -84,7 +84,7 @@ def test_linear_row_alone_equals_row_among_others(device: str, dtype: torch.dtyp
     assert rel_error(alone, reference.linear(row[None], weight, bias)[0]) < REL_TOL[dtype]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_matches_reference(device: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
@@ -100,7 +100,7 @@ def test_linear_matches_reference(device: str, dtype: torch.dtype) -> None:
     assert linear.apply(x[:0], linear.prepare(weight)).shape == (0, 40)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_lm_head_row_alone_equals_row_among_others(device: str, dtype: torch.dtype) -> None:
     """The LM head as the model holds it: a PackedLinear sharing the embedding table."""
@@ -120,7 +120,7 @@ def test_lm_head_row_alone_equals_row_among_others(device: str, dtype: torch.dty
 # ---- RMSNorm and the fused residual add ------------------------------------------------------
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rms_norm_row_alone_equals_row_among_others(device: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(3)
@@ -133,7 +133,7 @@ def test_rms_norm_row_alone_equals_row_among_others(device: str, dtype: torch.dt
     assert rel_error(alone, reference.rms_norm(row, weight, 1e-6)) < REL_TOL[dtype]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rms_norm_per_head_matches_reference(device: str, dtype: torch.dtype) -> None:
     """The Qwen3 q/k norm: [T, H, D] heads of a strided fused projection, a weight per head."""
@@ -147,7 +147,7 @@ def test_rms_norm_per_head_matches_reference(device: str, dtype: torch.dtype) ->
     assert rel_error(got, want) < REL_TOL[dtype]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_add_rms_norm_row_alone_equals_row_among_others(device: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(5)
@@ -203,7 +203,7 @@ def other_requests(rows: int, gen: torch.Generator) -> list[tuple[int, int]]:
     return specs
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("hq,hkv,dtype", CHAIN_CASES, ids=[f"hq{hq}-hkv{hkv}-{t}" for hq, hkv, t in CHAIN_CASES])
 def test_chain_rows_equal_decodes(device: str, hq: int, hkv: int, dtype: torch.dtype) -> None:
     """Every row of a verify chain (1 + k tokens, causal) equals, bit for bit, a decode of
@@ -222,7 +222,7 @@ def test_chain_rows_equal_decodes(device: str, hq: int, hkv: int, dtype: torch.d
             assert torch.equal(alone[0], verify[i]), f"row {i} of a {q_len}-token chain among {others} rows"
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("hq,hkv,dtype", TREE_CASES, ids=[f"hq{hq}-hkv{hkv}-{t}" for hq, hkv, t in TREE_CASES])
 def test_tree_rows_equal_decodes(device: str, hq: int, hkv: int, dtype: torch.dtype) -> None:
     """Every node of a verify tree equals, bit for bit, a decode of its path compacted into

@@ -10,8 +10,6 @@ compiled kernels: `TRITON_INTERPRET=0 pytest -m cuda tests/kernels/test_triton_f
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -22,13 +20,8 @@ from specdec.kernels.triton_act import silu_mul_triton
 from specdec.kernels.triton_norm import add_rms_norm_triton
 from specdec.kernels.triton_rope import rope_store_kv_triton
 from specdec.kernels.triton_sample import argmax_triton, sample_triton
+from tests.helpers import INTERPRETED, TRITON_DEVICES
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-        INTERPRETED, reason="the compiled kernels: run with TRITON_INTERPRET=0")]),
-]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Relative (Frobenius) tolerance against float64, per dtype: a few of its rounding steps.
 REL_TOL = {torch.float32: 1e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -39,7 +32,7 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double().cpu() - want.double().cpu()).norm() / want.double().cpu().norm())
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_add_rms_norm(device: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
@@ -56,7 +49,7 @@ def test_add_rms_norm(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(new_residual, torch_residual)  # the add rounds as torch's
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_residual_norm(device: str, dtype: torch.dtype) -> None:
     """The norm in front of a block: with the residual stream carried to it, the add and
@@ -75,7 +68,7 @@ def test_residual_norm(device: str, dtype: torch.dtype) -> None:
         assert same is output and rel_error(first, reference.rms_norm(output, weight, 1e-5)) < REL_TOL[dtype]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_mul(device: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
@@ -97,7 +90,7 @@ def rope_tables(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, t
     return angles.cos(), sin
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                (torch.float16, torch.float16), (torch.bfloat16, FP8)],
                          ids=["fp32", "bf16", "fp16", "bf16-fp8"])
@@ -132,7 +125,7 @@ def test_rope_store_kv(device: str, dtype: torch.dtype, cache_dtype: torch.dtype
     assert not kv.v.view(-1, hkv, d)[unused].float().any()  # the padding token stored nothing
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_argmax(device: str) -> None:
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 3000, generator=gen).to(device)  # three vocabulary chunks, a tail
@@ -144,7 +137,7 @@ def test_argmax(device: str) -> None:
                                                                   *logits[4:].argmax(-1).tolist()]))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_sample_matches_reference(device: str) -> None:
     """The same noise gives the reference's token; temperature 0 rows are greedy."""
     gen = torch.Generator().manual_seed(4)
@@ -156,7 +149,7 @@ def test_sample_matches_reference(device: str) -> None:
     assert got[0] == logits[0].argmax() and got[4] == logits[4].argmax()
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_sample_follows_softmax(device: str) -> None:
     """Frequencies over 500 draws match softmax(logits / T) within 4 standard deviations;
     the greedy control (temperature 0) does not."""
