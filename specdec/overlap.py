@@ -70,7 +70,7 @@ from specdec.model_runner import Feed, ForwardOutput
 from specdec.sampler import SamplingTensors, argmax, logits_to_probs, sample_keyed, sample_probs, top_logprobs
 from specdec.scheduler import ScheduledRequest
 from specdec.spec.tree import DraftTree
-from specdec.spec.verify import Verified
+from specdec.spec.verify import Verified, row_starts
 
 
 @dataclass
@@ -119,7 +119,7 @@ def sample_roots(batch: list[ScheduledRequest], trees: list[DraftTree], output: 
     device = output.logits.device
     logits, faults = process_logits(output.logits, [item.request for item in batch], trees,
                                     output.num_rows)  # [R, V]
-    starts = _row_starts(output.num_rows)
+    starts = row_starts(output.num_rows)
     done = set(output.sampled.rows) if output.sampled is not None else set()
     active = [i for i, n in enumerate(output.num_rows) if n and i not in faults and i not in done]
     if output.sampled is not None:  # [B] NO_TOKEN outside `done`; a copy made out of inference mode to write in
@@ -169,14 +169,6 @@ def _start_copy(tokens: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:  # [B
 
 def _index(values: list[int], device: torch.device) -> Tensor:  # [N] int64 on `device`
     return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
-
-def _row_starts(num_rows: Sequence[int]) -> list[int]:
-    starts, total = [], 0
-    for n in num_rows:
-        starts.append(total)
-        total += n
-    return starts
 
 
 class Pipeline:

@@ -13,6 +13,7 @@ the token right after its known ones (position num_tokens, counting the prompt),
 plain decoding, so with deterministic drafts it commits exactly plain decoding's tokens."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +48,7 @@ def verify(
     output: ForwardOutput,
 ) -> list[Verified]:
     """Per scheduled request: what it commits (empty mid-prefill), or why it failed."""
-    starts = _row_starts(output.num_rows)
+    starts = row_starts(output.num_rows)
     results = [Verified() for _ in batch]
     logits, faults = process_logits(output.logits, [item.request for item in batch], trees,
                                     output.num_rows)  # [R, V]
@@ -75,7 +76,7 @@ def _keep_features(batch: list[ScheduledRequest], trees: list[DraftTree], featur
                    kept: list[int], results: list[Verified]) -> None:
     """Each kept request's features of the rows it keeps (see Verified.features), gathered
     with one index over the step's query rows."""
-    query_starts = _row_starts([item.num_query_tokens(tree) for item, tree in zip(batch, trees)])
+    query_starts = row_starts([item.num_query_tokens(tree) for item, tree in zip(batch, trees)])
     index: list[int] = []
     spans = []
     for i in kept:
@@ -93,7 +94,8 @@ def _keep_features(batch: list[ScheduledRequest], trees: list[DraftTree], featur
         results[i].features_start = batch[i].request.num_computed_tokens
 
 
-def _row_starts(num_rows: list[int]) -> list[int]:
+def row_starts(num_rows: Sequence[int]) -> list[int]:
+    """Each request's first row in rows laid out request after request."""
     starts, total = [], 0
     for n in num_rows:
         starts.append(total)

@@ -24,7 +24,7 @@ from specdec.gpu_memory import draft_model_bytes, kv_cache_blocks, measure_used_
 from specdec.llm import LLM
 from specdec.model_runner import KVCache, StepInputs
 from specdec.models.config import ModelConfig
-from tests.engine.test_structured_outputs import UNBOUNDED, check, constrained
+from tests.engine.test_structured_outputs import constrained, generate_following
 from tests.engine.test_triton_engine import capture_eagerly
 from tests.helpers import NGRAM, assert_all_blocks_free, block_bytes, greedy, random_prompts, token_ids
 
@@ -414,12 +414,7 @@ def test_structured_outputs_on_cuda_follow_the_grammar_and_speculation_changes_n
         name: str, compiled_triton: None, tiny_model_dir: Path, drafter_dirs: dict[str, Path]) -> None:
     prompts = random_prompts(5, 3)
     plain = cuda_llm(tiny_model_dir, max_model_len=256)
-    expected = plain.generate(prompts, constrained(name))
-    for out in expected:
-        completion = out.outputs[0]
-        assert completion.finish_reason == "stop" or name in UNBOUNDED
-        if completion.finish_reason == "stop":
-            check(name, completion.text)
+    expected = generate_following(plain, prompts, name)
     for method in ("ngram", "hybrid"):  # a chain and a tree
         spec = cuda_llm(tiny_model_dir, max_model_len=256, speculative_config=drafter_config(method, drafter_dirs))
         assert token_ids(spec.generate(prompts, constrained(name))) == token_ids(expected), method

@@ -12,6 +12,7 @@ import pytest
 
 from specdec import SamplingParams
 from specdec.llm import LLM
+from specdec.outputs import RequestOutput
 from specdec.sampling_params import StructuredOutputsParams
 from specdec.structured_output import GrammarCompiler, GrammarLimits
 from tests.helpers import NGRAM, assert_all_blocks_free, random_prompts, token_ids
@@ -66,16 +67,22 @@ def constrained(name: str, max_tokens: int = 96, **kw: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=CONSTRAINTS[name], **kw)
 
 
-@pytest.mark.parametrize("name", list(CONSTRAINTS))
-def test_greedy_output_follows_the_grammar_and_speculation_changes_nothing(plain: LLM, ngram: LLM,
-                                                                            name: str) -> None:
-    prompts = random_prompts(5, 3)
-    expected = plain.generate(prompts, constrained(name))
-    for out in expected:
+def generate_following(llm: LLM, prompts: list[list[int]], name: str) -> list[RequestOutput]:
+    """`llm`'s greedy outputs constrained by grammar `name`; each one that stopped follows it."""
+    outputs = llm.generate(prompts, constrained(name))
+    for out in outputs:
         completion = out.outputs[0]
         assert completion.finish_reason == "stop" or name in UNBOUNDED
         if completion.finish_reason == "stop":
             check(name, completion.text)
+    return outputs
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_greedy_output_follows_the_grammar_and_speculation_changes_nothing(plain: LLM, ngram: LLM,
+                                                                            name: str) -> None:
+    prompts = random_prompts(5, 3)
+    expected = generate_following(plain, prompts, name)
     assert token_ids(ngram.generate(prompts, constrained(name))) == token_ids(expected)
     assert_all_blocks_free(ngram)
 
