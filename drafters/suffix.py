@@ -4,8 +4,10 @@ prompt and output and in a cache of earlier requests' outputs.
 
 Each step: the request's index takes the tokens committed since its last step (a few hash
 writes each); the longest suffix of the context that occurred before is looked up in it
-and in the cache (a bounded walk, see suffix_index.py); the occurrences whose match is
-that long are the evidence. Their continuations, each at most `suffix_spec_factor` times
+and in the cache (a bounded walk in C++, see suffix_index.py; one call reads the context
+from the request's index, walks both stores and reads the continuations, so that a step
+that finds nothing costs a few microseconds); the occurrences whose match is that long
+are the evidence. Their continuations, each at most `suffix_spec_factor` times
 the match length deep (a long match is trusted further), form a trie with counts, emitted
 best-first by empirical probability with nodes under `suffix_min_prob` dropped
 (suffix_tree.py). The step's num_draft_tokens and max_depth bound the tree.
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import Drafter, DraftRequest
 from specdec.drafters.suffix_cache import SuffixCache
-from specdec.drafters.suffix_index import SuffixIndex
+from specdec.drafters.suffix_index import Lookup, SuffixIndex
 from specdec.drafters.suffix_tree import build_draft
 from specdec.spec.tree import DraftTree, ScoredDraft
 
@@ -74,32 +76,35 @@ class SuffixDrafter(Drafter):
         """The request's draft tree, each node's empirical probability and the match length."""
         context = request.token_ids
         self.observe(request.request_id, context)
-        evidence = self.find(request.request_id, context)
-        if not evidence:
-            return SuffixDraft(build_draft(context[-1], [], 0, self.min_prob), 0)
-        match_length = evidence[0].match_length
-        depth = min(request.max_depth, max(1, int(self.spec_factor * match_length)))
-        continuations = [e.store.continuation(e.position, depth) for e in evidence]
-        return SuffixDraft(build_draft(context[-1], continuations, request.num_draft_tokens, self.min_prob),
-                           match_length)
+        found = self._lookup(request.request_id, request.max_depth)
+        return SuffixDraft(build_draft(context[-1], found.continuations, request.num_draft_tokens, self.min_prob),
+                           found.match_length)
 
     def observe(self, request_id: str, token_ids: list[int]) -> None:
         """Index the tokens committed since the request's last step."""
         state = self.contexts.get(request_id)
-        if state is None or len(token_ids) < state.index.end:  # new, or its history was rewritten
+        end = -1 if state is None else state.index.end
+        if len(token_ids) < end or state is None:  # new, or its history was rewritten
             # The root is the first output token when a request is first seen right after its prefill.
             state = self.contexts[request_id] = RequestContext(SuffixIndex(), len(token_ids) - 1)
-        state.index.extend(token_ids[state.index.end:])
+            end = 0
+        if len(token_ids) > end:
+            state.index.extend(token_ids[end:])
 
-    def find(self, request_id: str, context: list[int]) -> list[Evidence]:
-        """The occurrences, in the request's own context and the cache, of the context's
-        longest suffix that occurred anywhere (own ones first, then newest first)."""
+    def find(self, request_id: str) -> list[Evidence]:
+        """The occurrences, in the request's own context (the tokens `observe` indexed) and the
+        cache, of the context's longest suffix that occurred anywhere (own ones first, then
+        newest first)."""
+        found = self._lookup(request_id, 0)
         own = self.contexts[request_id].index
-        found = [Evidence(own, p, n) for p, n in own.matches(context, self.max_match)]
-        if self.cache is not None:
-            found += [Evidence(self.cache, p, n) for p, n in self.cache.matches(context, self.max_match)]
-        longest = max((e.match_length for e in found), default=0)
-        return [e for e in found if e.match_length == longest]
+        stores: tuple[SuffixIndex | SuffixCache, ...] = (own,) if self.cache is None else (own, self.cache)
+        return [Evidence(stores[store], position, found.match_length)
+                for store, position in zip(found.stores, found.positions)]
+
+    def _lookup(self, request_id: str, max_depth: int) -> Lookup:
+        """find's evidence in one native call, with continuations max_depth deep at most."""
+        cache = None if self.cache is None else self.cache.live_index()
+        return self.contexts[request_id].index.lookup(cache, self.max_match, max_depth, self.spec_factor)
 
     def forget_cached(self) -> None:
         if self.cache is not None:

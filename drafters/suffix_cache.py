@@ -6,11 +6,12 @@ end (the chat template's assistant header, the tail of a repeated instruction) m
 the draft can start with the output's first tokens.
 
 Bounds: at most `max_requests` entries and `max_tokens` tokens (the ring's capacity: the
-memory is proportional to it, about 16 B a token plus an 8 B head per token of capacity,
-see bench_suffix.py), and no entry older than `ttl_s` seconds. Eviction is oldest first
-(FIFO, as vLLM's suffix cache): a hit does not renew an entry, because the TTL promises
-how long any tenant's text is held at most. Evicting is O(1): the index's floor moves past
-the oldest entry, and its positions are never read again.
+memory is proportional to it, 16 B a token plus 12 B of heads per token of capacity,
+see suffix_index.py and bench_suffix.py), and no entry older than `ttl_s` seconds. Eviction
+is oldest first (FIFO, as vLLM's suffix cache): a hit does not renew an entry, because the
+TTL promises how long any tenant's text is held at most. Evicting costs the entry's length:
+the index's floor moves past the oldest entry, whose positions are never read again, and its
+tokens are wiped.
 """
 from __future__ import annotations
 
@@ -77,12 +78,15 @@ class SuffixCache:
         while self.entries and self.entries[0].added < deadline:
             self._evict_oldest()
 
+    def live_index(self) -> SuffixIndex | None:
+        """The ring to look up in, once the entries older than the TTL are evicted (None: empty)."""
+        self.expire()
+        return self.index if self.entries else None
+
     def matches(self, context: Sequence[int], max_match: int) -> list[tuple[int, int]]:
         """(position, match length) of cached occurrences of the context's suffix (see SuffixIndex)."""
-        self.expire()
-        if self.index is None or not self.entries:
-            return []
-        return self.index.matches(context, max_match)
+        index = self.live_index()
+        return [] if index is None else index.matches(context, max_match)
 
     def continuation(self, position: int, count: int) -> list[int]:
         return [] if self.index is None else self.index.continuation(position, count)

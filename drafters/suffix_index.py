@@ -1,27 +1,30 @@
 """A hash-chained n-gram index over a token sequence: where the context's suffix occurred
-before, and how long each of those matches is.
+before, and how long each of those matches is. A handle over the C++ index
+(kernels/csrc/suffix_index.cpp, which documents the layout): a lookup runs for every request
+on every step, and in Python its appends, walks and comparisons cost tens of microseconds.
 
 The suffix drafter keeps one per request (its prompt and output so far, growing) and the
 cross-request cache one over a ring of earlier requests' tokens (drafters/suffix_cache.py).
-
-Layout, as in LZ77 matchers: for each n in LEVELS, a head table maps the hash of an
-n-gram to the newest position that followed it, and a link per position points back to
-the previous position that followed an n-gram of the same hash. Appending a token is a
-few hash and array writes; a lookup walks at most MAX_WALK links per level, newest
-first, and compares tokens backwards to measure each match (which also rejects hash
-collisions). Tokens, links (distances back) and a ring's heads are 32-bit arrays: a ring
-position costs 4 + 4 * len(LEVELS) bytes, plus 4 * len(LEVELS) per head-table bucket (one
-bucket per position of capacity, rounded up to a power of two).
+A request's own index holds exactly its tokens, so a step's lookup (`lookup`) reads the
+context from there, in both the own index and the cache, in one call that also reads the
+matches' continuations: no Python list crosses into C++ on a step but the new tokens.
 
 Positions are global and only grow. In a ring (a `capacity`), position p lives in slot
-p % capacity, and every position below `floor` is gone: evicted or overwritten. Links
-only point backwards, so a walk stops at the first position below the floor.
+p % capacity, and every position below `floor` is gone: evicted or overwritten. A ring
+costs 4 + 4 * len(LEVELS) bytes a position of capacity plus 4 * len(LEVELS) a head-table
+bucket (one per position of capacity, rounded up to a power of two); a request's own
+index grows with its tokens.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import weakref
 from array import array
-from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from specdec.kernels import cpu_build
 
 LEVELS = (2, 4, 8)  # n-gram lengths with a chain; a lookup starts at the longest that occurs
 # Chain links visited per level and lookup: this bounds a step's cost however often an
@@ -29,94 +32,133 @@ LEVELS = (2, 4, 8)  # n-gram lengths with a chain; a lookup starts at the longes
 # drafted as well as 32 on bench_suffix.py's corpus, at half the lookup cost.
 MAX_WALK = 16
 SEPARATOR = -1  # between sequences in a shared store: no match or continuation crosses it
-_NO_LINK = 0
-_MAX_DISTANCE = (1 << 32) - 1
+MAX_FOUND = 2 * MAX_WALK  # a lookup's occurrences at most: the own index's walk, then the cache's
+_LIBRARY = "suffix_index"
+_ITEMS = 2 + 3 * MAX_FOUND  # a lookup's result row (see specdec_suffix_lookup)
+_ERRORS = {-1: "bad argument", -2: "out of memory", -3: "output buffer too small"}
+
+
+class _Header(ctypes.Structure):
+    """The C++ index's first fields, read in place: `end` and `floor` cost no call."""
+
+    _fields_ = [("end", ctypes.c_int64), ("floor", ctypes.c_int64), ("capacity", ctypes.c_int64),
+                ("num_buckets", ctypes.c_int64)]
+
+
+class Lookup(NamedTuple):
+    """A step's evidence: the longest match length (0: none), and per occurrence (own ones
+    first, then the cache's, newest first in each) its store (0: own, 1: cache), its
+    position and its continuation (empty unless a depth was asked for)."""
+
+    match_length: int
+    stores: list[int]
+    positions: list[int]
+    continuations: list[list[int]]
+
+
+_NOTHING = Lookup(0, [], [], [])  # shared by every lookup that finds nothing: never mutated
+
+
+class _Native:
+    """The C functions, typed once."""
+
+    def __init__(self) -> None:
+        void, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+
+        def function(symbol: str, argtypes: list[Any], restype: Any = i64) -> Any:
+            return cpu_build.function(_LIBRARY, f"specdec_suffix_{symbol}", argtypes, restype)
+
+        self.create = function("create", [i64, i64], void)
+        self.free = function("free", [void], None)
+        self.extend = function("extend", [void, void, i64])
+        self.push = function("push", [void, i64])
+        self.start_segment = function("start_segment", [void])
+        self.forget_before = function("forget_before", [void, i64])
+        self.matches = function("matches", [void, void, i64, i64, void, void, i64])
+        self.lookup = function("lookup", [void, void, i64, i64, f64, void, i64, void, i64])
+        self.continuation = function("continuation", [void, i64, i64, void, i64])
+        self.read = function("read", [void, i64, i64, void, i64])
+        self.slots = function("slots", [void, void, i64])
+        self.nbytes = function("nbytes", [void])
+        layout = array("q", bytes(8 * 8))
+        count = function("layout", [void, i64])(layout.buffer_info()[0], len(layout))
+        expected = [*LEVELS, MAX_WALK, SEPARATOR, MAX_FOUND, ctypes.sizeof(_Header)]
+        if layout[:count].tolist() != expected:
+            raise cpu_build.KernelBuildError(f"{_LIBRARY}.cpp's constants {layout[:count].tolist()} are not "
+                                             f"suffix_index.py's {expected}")
+
+
+@functools.cache
+def _native() -> _Native:
+    return _Native()
+
+
+def _checked(status: int, what: str) -> int:
+    if status < 0:
+        if status == -2:
+            raise MemoryError(f"suffix index {what}: out of memory")
+        raise ValueError(f"suffix index {what}: {_ERRORS.get(status, f'error {status}')}")
+    return status
+
+
+def _address(buffer: array[Any]) -> int:
+    return buffer.buffer_info()[0]
 
 
 class SuffixIndex:
     """Tokens appended one segment after another, each n-gram indexed inside its segment."""
 
-    def __init__(self, capacity: int | None = None) -> None:
-        self.capacity = capacity  # None: grows without bound (a request's own context)
-        self.modulus = capacity or 1 << 62  # position -> slot, one expression for both kinds
-        self.tokens = array("i")  # [min(end, capacity)] by slot
-        self.links = [array("I") for _ in LEVELS]  # [min(end, capacity)] distance back, 0: none
-        # Per level, n-gram hash -> newest following position + 1 (0: none). Levels keep their
-        # own tables: a head shared by two levels would send one level's walk down the other's
-        # chain. A ring's tables are fixed arrays of 32-bit heads indexed by the masked hash (a
-        # dict of millions of int keys would take ~100 B a key); heads are stored modulo 2**32
-        # and recovered relative to `end`, which a ring's capacity (< 2**31) makes unambiguous
-        # (a position p with p + 1 = 0 mod 2**32 reads as no head: one occurrence in 2**32 lost).
-        self.num_buckets = 0 if capacity is None else _bucket_count(capacity)
-        self.heads: list[defaultdict[int, int]] | list[array[int]] = (
-            [defaultdict[int, int](int) for _ in LEVELS] if capacity is None
-            else [array("I", bytes(4 * self.num_buckets)) for _ in LEVELS])
-        self.end = 0  # positions written so far
-        self.floor = 0  # the oldest position still readable
-        self.segment: list[int] = []  # the current segment's last max(LEVELS) tokens
+    def __init__(self, capacity: int | None = None, start: int = 0) -> None:
+        """capacity None: grows without bound (a request's own context); else a ring of that
+        many positions. start: a ring's first position (as if that many had passed through)."""
+        if capacity is not None and not 1 <= capacity <= 1 << 31:
+            raise ValueError(f"a suffix index ring needs a capacity in [1, 2**31], got {capacity}")
+        if start < 0 or (start and capacity is None):
+            raise ValueError(f"a suffix index starts at 0, or at a position >= 0 for a ring; got {start}")
+        self._c = _native()
+        handle = self._c.create(capacity or 0, start)
+        if not handle:
+            raise MemoryError(f"cannot allocate a suffix index of capacity {capacity}")
+        self._handle: int = handle
+        self._header = _Header.from_address(handle)
+        weakref.finalize(self, self._c.free, handle)
+        self.capacity = capacity
+        self._items = array("q", bytes(8 * _ITEMS))  # lookup's result row and continuations, reused
+        self._tokens = array("i")
+
+    @property
+    def end(self) -> int:
+        """Positions written so far."""
+        return self._header.end
+
+    @property
+    def floor(self) -> int:
+        """The oldest position still readable."""
+        return self._header.floor
+
+    @property
+    def num_buckets(self) -> int:
+        """Buckets in each level's head table."""
+        return self._header.num_buckets
 
     # ---- writing ----------------------------------------------------------------------
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append tokens to the current segment, indexing the n-grams each one follows."""
-        for token in tokens:
-            self._append(token)
+        if len(tokens) == 1:  # a decode step's one committed token: no buffer to build
+            _checked(self._c.push(self._handle, tokens[0]), "extend")
+        elif tokens:
+            buffer = array("i", tokens)
+            _checked(self._c.extend(self._handle, _address(buffer), len(buffer)), "extend")
 
     def start_segment(self) -> None:
         """Later tokens never extend a match across this point (a separator is written)."""
-        if self.end > self.floor:
-            self._append(SEPARATOR)
-        self.segment.clear()
+        _checked(self._c.start_segment(self._handle), "start_segment")
 
     def forget_before(self, position: int) -> None:
         """Positions below `position` are evicted: lookups no longer see them, and their
         tokens are wiped, so that evicted text is not held until the ring overwrites it."""
-        position = min(position, self.end)
-        for p in range(self.floor, position):
-            self.tokens[p % self.modulus] = SEPARATOR
-        self.floor = max(self.floor, position)
-
-    def _append(self, token: int) -> None:
-        position, slot = self.end, self.end % self.modulus
-        if self.capacity is not None:
-            self.floor = max(self.floor, position + 1 - self.capacity)  # the slot being overwritten
-        grow = slot == len(self.tokens)  # the arrays grow until a ring's capacity, then wrap
-        if grow:
-            self.tokens.append(token)
-        else:
-            self.tokens[slot] = token
-        segment = self.segment
-        for level, (n, links) in enumerate(zip(LEVELS, self.links)):
-            link = self._relink(level, segment, position) if token != SEPARATOR and len(segment) >= n else _NO_LINK
-            if grow:
-                links.append(link)
-            else:
-                links[slot] = link
-        self.end += 1
-        if token == SEPARATOR:
-            segment.clear()
-            return
-        segment.append(token)
-        if len(segment) > LEVELS[-1]:
-            del segment[0]
-
-    def _relink(self, level: int, segment: list[int], position: int) -> int:
-        """Make `position` the newest follower of the segment's last n-gram; the distance back
-        to the previous follower (0: none, or already gone)."""
-        key = self._key(LEVELS[level], segment[-LEVELS[level]:])
-        previous = self._head(level, key)
-        heads = self.heads[level]
-        heads[key] = position + 1 if isinstance(heads, defaultdict) else (position + 1) & _MAX_DISTANCE
-        distance = position - previous
-        return distance if previous >= self.floor and distance <= _MAX_DISTANCE else _NO_LINK
-
-    def _head(self, level: int, key: int) -> int:
-        """The newest position that followed the n-gram of this key, or -1."""
-        heads = self.heads[level]
-        if isinstance(heads, defaultdict):
-            return heads.get(key, 0) - 1  # get: a lookup must not insert the key
-        stored = heads[key]
-        return -1 if stored == 0 else self.end - ((self.end - stored) & _MAX_DISTANCE) - 1
+        _checked(self._c.forget_before(self._handle, position), "forget_before")
 
     # ---- reading ----------------------------------------------------------------------
 
@@ -126,61 +168,54 @@ class SuffixIndex:
         (capped at max_match) counts the tokens before it equal to the context's last ones.
         Only the longest level with a verified occurrence is walked: its matches are the
         longest there are, up to the walk limit."""
-        for level in range(len(LEVELS) - 1, -1, -1):
-            n = LEVELS[level]
-            if len(context) < n or self.end == self.floor:
-                continue
-            found = self._walk(level, self._head(level, self._key(n, context[-n:])), context, max_match)
-            if found:
-                return found
-        return []
+        tail = array("i", context[len(context) - min(len(context), max(max_match, 0)):])
+        positions, lengths = array("q", bytes(8 * MAX_WALK)), array("i", bytes(4 * MAX_WALK))
+        count = _checked(self._c.matches(self._handle, _address(tail), len(tail), max_match, _address(positions),
+                                         _address(lengths), MAX_WALK), "matches")
+        return list(zip(positions[:count].tolist(), lengths[:count].tolist()))
 
-    def _walk(self, level: int, position: int, context: Sequence[int], max_match: int) -> list[tuple[int, int]]:
-        """Follow the chain from `position`, measuring each occurrence's match backwards.
-        The lookup's hot loop, hence the local names and the inlined comparison."""
-        n, links, tokens, floor, modulus = LEVELS[level], self.links[level], self.tokens, self.floor, self.modulus
-        tail = context[: -min(max_match, len(context)) - 1: -1]  # the context's last tokens, last first
-        found = []
-        for _ in range(MAX_WALK):
-            if position < floor:
-                break
-            limit, length = min(len(tail), position - floor), 0
-            while length < limit and tokens[(position - 1 - length) % modulus] == tail[length]:
-                length += 1
-            if length >= n:  # shorter: a hash collision
-                found.append((position, length))
-            distance = links[position % modulus]
-            if distance == _NO_LINK:
-                break
-            position -= distance
-        return found
+    def lookup(self, cache: SuffixIndex | None, max_match: int, max_depth: int, spec_factor: float) -> Lookup:
+        """A drafting step's evidence, the context being this index's tokens: the
+        occurrences of its longest matched suffix here and in `cache` whose match is that
+        long, each with its continuation min(max_depth, max(1, int(spec_factor * match)))
+        tokens deep at most (none if max_depth is 0), stopping at a separator."""
+        if len(self._tokens) < MAX_FOUND * max_depth:
+            self._tokens = array("i", bytes(4 * MAX_FOUND * max_depth))
+        items, tokens = self._items, self._tokens
+        count = _checked(self._c.lookup(self._handle, None if cache is None else cache._handle, max_match, max_depth,
+                                        spec_factor, _address(items), len(items), _address(tokens), len(tokens)),
+                         "lookup")
+        if count == 0:
+            return _NOTHING
+        depth = items[1]
+        lengths = items[2 + 2 * MAX_FOUND: 2 + 2 * MAX_FOUND + count]
+        return Lookup(items[0], items[2: 2 + count].tolist(), items[2 + MAX_FOUND: 2 + MAX_FOUND + count].tolist(),
+                      [tokens[i * depth: i * depth + n].tolist() for i, n in enumerate(lengths)])
 
     def continuation(self, position: int, count: int) -> list[int]:
         """Up to `count` tokens from `position` on, stopping at a separator or the end."""
-        if position < self.floor:
+        if count <= 0:
             return []
-        stop = min(self.end, position + count)
-        out = [self.tokens[p % self.modulus] for p in range(position, stop)]
-        return out[: out.index(SEPARATOR)] if SEPARATOR in out else out
+        out = array("i", bytes(4 * count))
+        written = _checked(self._c.continuation(self._handle, position, count, _address(out), count), "continuation")
+        return out[:written].tolist()
 
     def read(self, start: int, stop: int) -> list[int]:
         """The readable tokens in [start, stop) (separators included)."""
-        start, stop = max(start, self.floor), min(stop, self.end)
-        return [self.tokens[p % self.modulus] for p in range(start, stop)]
+        count = min(stop, self.end) - max(start, self.floor)
+        if count <= 0:
+            return []
+        out = array("i", bytes(4 * count))
+        written = _checked(self._c.read(self._handle, start, stop, _address(out), count), "read")
+        return out[:written].tolist()
+
+    def slots(self) -> list[int]:
+        """Every slot's token as stored, by slot: evicted ones are wiped (SEPARATOR) or
+        overwritten, which is what bounds how long a ring holds any text."""
+        size = _checked(self._c.slots(self._handle, None, 0), "slots")
+        out = array("i", bytes(4 * size))
+        return out[:_checked(self._c.slots(self._handle, _address(out) if size else None, size), "slots")].tolist()
 
     def nbytes(self) -> int:
-        """Memory held by the arrays (a request's dict of heads counted at ~100 B a key)."""
-        heads = sum(h.itemsize * len(h) if isinstance(h, array) else len(h) * 100 for h in self.heads)
-        return self.tokens.itemsize * len(self.tokens) + sum(a.itemsize * len(a) for a in self.links) + heads
-
-    # ---- helpers ----------------------------------------------------------------------
-
-    def _key(self, n: int, ngram: Sequence[int]) -> int:
-        key = hash((n, *ngram))
-        return key & (self.num_buckets - 1) if self.num_buckets else key
-
-
-def _bucket_count(capacity: int) -> int:
-    """The power of two at or above the capacity: at most one n-gram per bucket on average in
-    each level's table of a full ring, so collisions cost a few extra links at most."""
-    return 1 << max(10, (capacity - 1).bit_length())
+        """Memory held by the C++ arrays (allocated, not only used)."""
+        return _checked(self._c.nbytes(self._handle), "nbytes")

@@ -115,6 +115,88 @@ def test_continuations_stop_at_the_entry_end() -> None:
     assert sorted(cache.continuation(p, 5) for p in found) == [[3, 4], [9]]
 
 
+def occurrences(text: list[int], context: list[int], cap: int) -> tuple[int, list[int], int]:
+    """brute_force's longest match and its positions, newest first, and how many positions
+    match at least the shortest level (more than MAX_WALK: the walk may stop before some)."""
+    best, positions = brute_force(text, context, cap)
+    lengths = [match_length(text, p, context, cap) for p in range(len(text)) if text[p] != SEPARATOR]
+    return best, sorted(positions, reverse=True), sum(n >= LEVELS[0] for n in lengths)
+
+
+def continuation_of(text: list[int], position: int, depth: int) -> list[int]:
+    out = text[position: position + depth]
+    return out[: out.index(SEPARATOR)] if SEPARATOR in out else out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_lookup_finds_the_own_and_cached_occurrences_of_the_longest_match(seed: int) -> None:
+    """One native call against brute force: the longest match over the request's own tokens
+    and a ring that wraps and evicts, own occurrences first, then the cache's, newest first,
+    with continuations that stop at the entry's end."""
+    rng = random.Random(seed)
+    symbols, cap, factor = rng.choice([3, 5, 8]), rng.choice([4, 12]), rng.choice([0.5, 1.0, 2.0])
+    cache = SuffixCache(max_requests=6, max_tokens=rng.choice([40, 90]), ttl_s=1e9)
+    live: list[list[int]] = []
+    for _ in range(rng.randint(3, 15)):
+        live.append([rng.randrange(symbols) for _ in range(rng.randint(1, 30))])
+        cache.add(live[-1])
+    assert cache.index is not None
+    ring = cache.index.read(0, cache.index.end)
+    floor = cache.index.floor
+    own_text = [rng.randrange(symbols) for _ in range(rng.randint(2, 40))]
+    own = SuffixIndex()
+    for cut in range(2, len(own_text) + 1):
+        own.extend(own_text[own.end:cut])
+        context = own_text[:cut]
+        found = own.lookup(cache.index, cap, max_depth=6, spec_factor=factor)
+        own_best, own_positions, own_count = occurrences(own_text[:cut], context, cap)
+        ring_best, ring_positions, ring_count = occurrences(ring, context, cap)
+        if own_count >= MAX_WALK or ring_count >= MAX_WALK:  # the walk may stop before the oldest
+            assert found.match_length <= max(own_best, ring_best)
+            continue
+        best = max(own_best, ring_best)
+        expected = ([(0, p) for p in own_positions] if own_best == best else []) + \
+                   ([(1, p + floor) for p in ring_positions] if ring_best == best else [])
+        assert found.match_length == best
+        assert list(zip(found.stores, found.positions)) == (expected if best else [])
+        depth = min(6, max(1, int(factor * best)))
+        texts = (own_text[:cut], ring)
+        assert found.continuations == [continuation_of(texts[store], p - floor * store, depth)
+                                       for store, p in expected]
+
+
+def test_a_growing_request_index_keeps_finding_its_matches() -> None:
+    """The own index's head tables double as it grows, re-indexing every token."""
+    rng = random.Random(7)
+    text = [rng.randrange(40) for _ in range(3000)]
+    index = SuffixIndex()
+    buckets = {index.num_buckets}
+    for cut in range(50, len(text) + 1, 37):
+        index.extend(text[index.end:cut])
+        buckets.add(index.num_buckets)
+        found = index.matches(text[:cut], 16)
+        best, positions, count = occurrences(text[:cut], text[:cut], 16)
+        assert all(n == match_length(text, p, text[:cut], 16) for p, n in found)
+        if count < MAX_WALK:
+            assert index_best(found) == (best, set(positions))
+    assert len(buckets) > 2 and index.num_buckets >= len(text)
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        SuffixIndex(capacity=0)
+    with pytest.raises(ValueError, match="starts at 0"):
+        SuffixIndex(start=5)
+    index = SuffixIndex()
+    with pytest.raises(ValueError, match="extend: bad argument"):
+        index.extend([1 << 40])
+    with pytest.raises(OverflowError):
+        index.extend([1, 1 << 40])
+    with pytest.raises(ValueError, match="lookup: bad argument"):
+        index.lookup(None, 8, -1, 1.0)
+    assert index.end == 0 and index.continuation(0, 4) == [] and index.read(-5, 5) == []
+
+
 # ---- the cache's bounds -----------------------------------------------------------------
 
 
@@ -144,9 +226,9 @@ def test_evicted_text_is_wiped_and_memory_is_bounded() -> None:
         cache.add([rng.randrange(50) for _ in range(rng.randint(1, 40))])
     index = cache.index
     assert index is not None
-    assert 999_999 not in index.tokens  # evicted, then overwritten or wiped
+    assert 999_999 not in index.slots()  # evicted, then overwritten or wiped
     assert cache.num_tokens <= 500
-    assert len(index.tokens) <= 500 and all(len(links) <= 500 for links in index.links)
+    assert len(index.slots()) == 500  # the ring's arrays stop growing at its capacity
     assert index.nbytes() == 500 * (4 + 4 * len(LEVELS)) + 4 * len(LEVELS) * index.num_buckets
 
 
@@ -259,11 +341,7 @@ def test_suffix_keys_are_refused_for_other_methods() -> None:
 def test_positions_past_two_to_the_32_still_match() -> None:
     """A ring's heads are stored modulo 2**32: a long-lived cache crosses that boundary."""
     cache = SuffixCache(max_requests=10, max_tokens=100, ttl_s=1e9)
-    cache.index = index = SuffixIndex(capacity=100)
-    index.end = index.floor = (1 << 32) - 24  # as if that many tokens had passed through the ring
-    index.tokens.extend([SEPARATOR] * 100)
-    for links in index.links:
-        links.extend([0] * 100)
+    cache.index = SuffixIndex(capacity=100, start=(1 << 32) - 24)  # as if that many tokens had passed through
     cache.add([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
     cache.add([20, 21, 1, 2, 3, 4, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41])
     assert cache.index.end > 1 << 32
