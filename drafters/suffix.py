@@ -39,6 +39,7 @@ class RequestContext:
 
     index: SuffixIndex  # its prompt and committed output
     output_start: int  # where its output begins, as far as the first propose could tell
+    indexed: int = 0  # tokens in the index (kept here: reading the native index's end is a call)
 
 
 @dataclass(frozen=True)
@@ -47,15 +48,6 @@ class SuffixDraft:
     more about its worth than its nodes' frequencies do (hybrid.py calibrates by it)."""
 
     scored: ScoredDraft
-    match_length: int
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """A matched occurrence: which store, where its continuation starts, how long the match."""
-
-    store: SuffixIndex | SuffixCache
-    position: int
     match_length: int
 
 
@@ -74,37 +66,27 @@ class SuffixDrafter(Drafter):
 
     def draft(self, request: DraftRequest) -> SuffixDraft:
         """The request's draft tree, each node's empirical probability and the match length."""
-        context = request.token_ids
-        self.observe(request.request_id, context)
-        found = self._lookup(request.request_id, request.max_depth)
-        return SuffixDraft(build_draft(context[-1], found.continuations, request.num_draft_tokens, self.min_prob),
-                           found.match_length)
+        return self.build(request, self.lookup(request))
 
-    def observe(self, request_id: str, token_ids: list[int]) -> None:
-        """Index the tokens committed since the request's last step."""
-        state = self.contexts.get(request_id)
-        end = -1 if state is None else state.index.end
-        if len(token_ids) < end or state is None:  # new, or its history was rewritten
+    def lookup(self, request: DraftRequest) -> Lookup:
+        """Index the tokens committed since the request's last step and find its evidence:
+        the occurrences, in its own context and the cache, of the context's longest suffix
+        that occurred anywhere (own ones first, then newest first), with their continuations.
+        One native call: most steps of open text find nothing."""
+        token_ids = request.token_ids
+        state = self.contexts.get(request.request_id)
+        if state is None or len(token_ids) < state.indexed:  # new, or its history was rewritten
             # The root is the first output token when a request is first seen right after its prefill.
-            state = self.contexts[request_id] = RequestContext(SuffixIndex(), len(token_ids) - 1)
-            end = 0
-        if len(token_ids) > end:
-            state.index.extend(token_ids[end:])
-
-    def find(self, request_id: str) -> list[Evidence]:
-        """The occurrences, in the request's own context (the tokens `observe` indexed) and the
-        cache, of the context's longest suffix that occurred anywhere (own ones first, then
-        newest first)."""
-        found = self._lookup(request_id, 0)
-        own = self.contexts[request_id].index
-        stores: tuple[SuffixIndex | SuffixCache, ...] = (own,) if self.cache is None else (own, self.cache)
-        return [Evidence(stores[store], position, found.match_length)
-                for store, position in zip(found.stores, found.positions)]
-
-    def _lookup(self, request_id: str, max_depth: int) -> Lookup:
-        """find's evidence in one native call, with continuations max_depth deep at most."""
+            state = self.contexts[request.request_id] = RequestContext(SuffixIndex(), len(token_ids) - 1)
+        new = token_ids[state.indexed:]
+        state.indexed = len(token_ids)
         cache = None if self.cache is None else self.cache.live_index()
-        return self.contexts[request_id].index.lookup(cache, self.max_match, max_depth, self.spec_factor)
+        return state.index.lookup(cache, self.max_match, request.max_depth, self.spec_factor, new)
+
+    def build(self, request: DraftRequest, found: Lookup) -> SuffixDraft:
+        """The draft tree of a lookup's continuations (bounded by the request's budget)."""
+        return SuffixDraft(build_draft(request.token_ids[-1], found.continuations, request.num_draft_tokens,
+                                       self.min_prob), found.match_length)
 
     def forget_cached(self) -> None:
         if self.cache is not None:

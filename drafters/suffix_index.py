@@ -75,7 +75,7 @@ class _Native:
         self.start_segment = function("start_segment", [void])
         self.forget_before = function("forget_before", [void, i64])
         self.matches = function("matches", [void, void, i64, i64, void, void, i64])
-        self.lookup = function("lookup", [void, void, i64, i64, f64, void, i64, void, i64])
+        self.step = function("step", [void, void, void, i64, i64, i64, f64, void, i64, void, i64])
         self.continuation = function("continuation", [void, i64, i64, void, i64])
         self.read = function("read", [void, i64, i64, void, i64])
         self.slots = function("slots", [void, void, i64])
@@ -125,6 +125,7 @@ class SuffixIndex:
         self.capacity = capacity
         self._items = array("q", bytes(8 * _ITEMS))  # lookup's result row and continuations, reused
         self._tokens = array("i")
+        self._new = array("i", [0])  # a step's one new token, passed in place
 
     @property
     def end(self) -> int:
@@ -174,17 +175,24 @@ class SuffixIndex:
                                          _address(lengths), MAX_WALK), "matches")
         return list(zip(positions[:count].tolist(), lengths[:count].tolist()))
 
-    def lookup(self, cache: SuffixIndex | None, max_match: int, max_depth: int, spec_factor: float) -> Lookup:
-        """A drafting step's evidence, the context being this index's tokens: the
-        occurrences of its longest matched suffix here and in `cache` whose match is that
-        long, each with its continuation min(max_depth, max(1, int(spec_factor * match)))
-        tokens deep at most (none if max_depth is 0), stopping at a separator."""
+    def lookup(self, cache: SuffixIndex | None, max_match: int, max_depth: int, spec_factor: float,
+               new_tokens: Sequence[int] = ()) -> Lookup:
+        """A drafting step's evidence, after appending `new_tokens` (one native call: a step
+        that finds nothing costs little more than the call), the context being this index's
+        tokens: the occurrences of its longest matched suffix here and in `cache` whose match
+        is that long, each with its continuation min(max_depth, max(1, int(spec_factor *
+        match))) tokens deep at most (none if max_depth is 0), stopping at a separator."""
         if len(self._tokens) < MAX_FOUND * max_depth:
             self._tokens = array("i", bytes(4 * MAX_FOUND * max_depth))
+        if len(new_tokens) == 1:  # a decode step's one committed token: the reused buffer
+            self._new[0] = new_tokens[0]
+            new = self._new
+        else:
+            new = array("i", new_tokens)
         items, tokens = self._items, self._tokens
-        count = _checked(self._c.lookup(self._handle, None if cache is None else cache._handle, max_match, max_depth,
-                                        spec_factor, _address(items), len(items), _address(tokens), len(tokens)),
-                         "lookup")
+        count = _checked(self._c.step(self._handle, None if cache is None else cache._handle,
+                                      _address(new) if new else None, len(new), max_match, max_depth, spec_factor,
+                                      _address(items), len(items), _address(tokens), len(tokens)), "lookup")
         if count == 0:
             return _NOTHING
         depth = items[1]

@@ -278,6 +278,8 @@ class LLMEngine:
         faults: dict[int, str] = {}
         wanted = [i for i, item in enumerate(batch) if item.num_draft_tokens > 0]
         for i in wanted:
+            if batch[i].request.grammar is None:  # nothing forced: the common step, kept cheap
+                continue
             try:
                 trees[i] = forced_draft(batch[i])
             except Exception as error:  # noqa: BLE001 - one request's grammar
@@ -296,7 +298,8 @@ class LLMEngine:
                     faults[i] = fault_message(batch[i].request.request_id, error, "drafting")
             wanted = [i for i in wanted if i not in faults]
         for i, tree in zip(wanted, drafted, strict=True):
-            trees[i] = tree.prune(batch[i].num_draft_tokens, batch[i].max_depth)  # the drafter contract, enforced
+            # the drafter contract, enforced (a root alone has nothing to cut)
+            trees[i] = tree.prune(batch[i].num_draft_tokens, batch[i].max_depth) if tree.num_drafts else tree
         return self.policy.select(trees), faults
 
     def _draft(self, batch: list[ScheduledRequest], wanted: list[int]) -> list[DraftTree]:
@@ -307,7 +310,7 @@ class LLMEngine:
                                  batch[i].num_draft_tokens, batch[i].max_depth,
                                  batch[i].request.sampling_params) for i in wanted]
         trees = self.drafter.propose(requests)
-        option = self.drafter.option(requests, trees)
+        option = self.drafter.option(requests, trees) if self.policy.weighs_options() else None
         chosen = self.policy.choose(trees, option) if option is not None else []
         return self.drafter.extend(requests, trees, chosen) if chosen else trees
 

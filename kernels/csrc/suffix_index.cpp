@@ -363,6 +363,17 @@ int64_t specdec_suffix_lookup(const void* own_handle, const void* cache_handle, 
   return count;
 }
 
+// A drafting step in one call (a call from Python costs more than the work on a step that
+// finds nothing): append new_tokens[0:new_count] to `own`, then `specdec_suffix_lookup`.
+int64_t specdec_suffix_step(void* own_handle, const void* cache_handle, const int32_t* new_tokens,
+                            int64_t new_count, int64_t max_match, int64_t max_depth, double spec_factor,
+                            int64_t* items, int64_t items_room, int32_t* tokens, int64_t tokens_room) {
+  const int64_t status = specdec_suffix_extend(own_handle, new_tokens, new_count);
+  if (status < 0) return status;
+  return specdec_suffix_lookup(own_handle, cache_handle, max_match, max_depth, spec_factor, items, items_room,
+                               tokens, tokens_room);
+}
+
 // Up to `count` tokens from `position` on into out[0:room], stopping at a separator or the
 // end; returns how many.
 int64_t specdec_suffix_continuation(const void* handle, int64_t position, int64_t count, int32_t* out,

@@ -76,6 +76,11 @@ OPTION_MARGIN = 0.05  # a draft option (running heads) must promise 5% more toke
 # prompts, whose copies begin after short stretches of open text.)
 LOOKUP_PATIENCE = 4
 LOOKUP_EVERY = 2
+# A draft option declined is weighed again only every OPTION_EVERY-th drafting step (while
+# one is taken, every step): offering and weighing the heads cost as much as a lookup, and
+# where they do not pay (the CPU at batch 1, mostly) they seldom start paying from one step
+# to the next.
+OPTION_EVERY = 4
 
 
 class CostModel:
@@ -288,6 +293,7 @@ class AdaptiveSpeculation(SpeculationPolicy):
         # The drafter scores its nodes: they are cut after drafting (`select`).
         self.scored = scored
         self.stats = AcceptanceStats()
+        self._option_wait = 0  # drafting steps until a declined option is weighed again
 
     def grant(self, limits: list[DraftLimit], base_tokens: int, base_commits: int) -> list[int]:
         """Each request's draft tokens at the best expected tokens per second (maybe 0)."""
@@ -351,9 +357,20 @@ class AdaptiveSpeculation(SpeculationPolicy):
         cut = self._cut(_fixed_rows(trees), chances)
         return [tree.likelier_than(cut.min_chance) for tree in trees]
 
+    def weighs_options(self) -> bool:
+        if self._option_wait > 0:
+            self._option_wait -= 1
+            return False
+        return True
+
     def choose(self, trees: list[DraftTree], option: DraftOption) -> list[int]:
         """The requests whose option (their heads' draft) earns the most tokens per second,
         its drafting time and extra rows included, over verifying the trees as they are."""
+        chosen = self._choose_option(trees, option)
+        self._option_wait = 0 if chosen else OPTION_EVERY - 1
+        return chosen
+
+    def _choose_option(self, trees: list[DraftTree], option: DraftOption) -> list[int]:
         order = sorted((i for i, gain in option.gains.items() if gain > 0), key=lambda i: -option.gains[i])
         if not order:
             return []

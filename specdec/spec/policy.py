@@ -70,6 +70,11 @@ class SpeculationPolicy(ABC):
         by default each one it promises to help."""
         return sorted(i for i, gain in option.gains.items() if gain > 0)
 
+    def weighs_options(self) -> bool:
+        """Whether the drafter's option is to be offered (`choose`) this step: a policy may
+        skip weighing it on some steps, since offering costs the drafter time too."""
+        return True
+
     def select(self, trees: list[DraftTree]) -> list[DraftTree]:
         """The nodes each request verifies (trees: one per decoding request of the step):
         by default everything drafted."""

@@ -254,6 +254,17 @@ def test_the_cost_model_keeps_heads_off_when_their_time_outweighs_their_worth() 
     assert heads.calls == []
 
 
+def test_the_heads_first_run_is_not_timed() -> None:
+    """The first run sets up kernels and buffers: timed, its cost priced the heads out of
+    every later step, so they were never timed again (one run a session, mt_bench)."""
+    heads = FakeHeads([50, 51])
+    drafter = hybrid(heads)
+    step(drafter, [ask("r", [10, 11, 12])])
+    assert heads.calls == [["r"]] and drafter.heads_seconds.w == 0
+    step(drafter, [ask("r", [10, 11, 12, 50])])
+    assert len(heads.calls) == 2 and drafter.heads_seconds.w > 0
+
+
 def test_the_heads_guesses_are_verified_where_they_pay_and_suffix_decoding_found_nothing() -> None:
     cost = CostModel([1, 2, 4, 8], [0.010, 0.0105, 0.0115, 0.0135])  # a row: a twentieth of a decode
     heads = FakeHeads([50, 51])  # chance 0.9 each, calibrated at 1

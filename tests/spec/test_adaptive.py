@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from specdec.llm import LLM
-from specdec.spec.adaptive import LOOKUP_EVERY, LOOKUP_PATIENCE, PROBE_EVERY, AdaptiveSpeculation, CostModel
+from specdec.spec.adaptive import (LOOKUP_EVERY, LOOKUP_PATIENCE, OPTION_EVERY, PROBE_EVERY, AdaptiveSpeculation,
+                                   CostModel)
 from specdec.spec.policy import DraftLimit, DraftOption, FixedSpeculation, SpeculationPolicy, StepReport
 from specdec.spec.tree import DraftTree
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
@@ -207,6 +208,23 @@ def test_choose_runs_an_option_only_where_its_gain_beats_its_time_and_rows() -> 
     slow = DraftOption({0: 1.5}, {0: 2}, lambda count: 0.05 * count)  # five forwards' time
     assert policy.choose(trees, slow) == []
     assert FixedSpeculation().choose(trees, slow) == [0]  # without a cost model: wherever it gains
+
+
+def test_a_declined_option_is_weighed_again_only_every_few_steps() -> None:
+    """Offering and weighing the heads cost a lookup's time: once declined, the policy skips
+    weighing them for OPTION_EVERY - 1 drafting steps; while one is taken, every step."""
+    cost = CostModel([1, 2, 4, 8], [0.010, 0.0105, 0.0115, 0.0135])
+    policy = AdaptiveSpeculation(cost, whole_drafts=True, scored=True)
+    trees = [scored([])]
+    slow = DraftOption({0: 1.5}, {0: 2}, lambda count: 0.05 * count)
+    cheap = DraftOption({0: 1.5}, {0: 2}, lambda count: 0.0005 * count)
+    assert policy.weighs_options() and policy.choose(trees, slow) == []
+    for _ in range(2):
+        assert [policy.weighs_options() for _ in range(OPTION_EVERY)] == [False] * (OPTION_EVERY - 1) + [True]
+        assert policy.choose(trees, slow) == []
+    assert policy.choose(trees, cheap) == [0]
+    assert all(policy.weighs_options() for _ in range(OPTION_EVERY))
+    assert FixedSpeculation().weighs_options()
 
 
 def test_adaptive_hybrid_drafting_is_cut_by_the_policy(tiny_model_dir: Any) -> None:
