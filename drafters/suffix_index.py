@@ -126,6 +126,8 @@ class SuffixIndex:
         self._items = array("q", bytes(8 * _ITEMS))  # lookup's result row and continuations, reused
         self._tokens = array("i")
         self._new = array("i", [0])  # a step's one new token, passed in place
+        self._items_address, self._tokens_address, self._new_address = map(_address, (self._items, self._tokens,
+                                                                                   self._new))
 
     @property
     def end(self) -> int:
@@ -184,15 +186,20 @@ class SuffixIndex:
         match))) tokens deep at most (none if max_depth is 0), stopping at a separator."""
         if len(self._tokens) < MAX_FOUND * max_depth:
             self._tokens = array("i", bytes(4 * MAX_FOUND * max_depth))
+            self._tokens_address = _address(self._tokens)
         if len(new_tokens) == 1:  # a decode step's one committed token: the reused buffer
             self._new[0] = new_tokens[0]
-            new = self._new
+            new, new_address = self._new, self._new_address
         else:
             new = array("i", new_tokens)
+            new_address = _address(new) if new else None
         items, tokens = self._items, self._tokens
-        count = _checked(self._c.step(self._handle, None if cache is None else cache._handle,
-                                      _address(new) if new else None, len(new), max_match, max_depth, spec_factor,
-                                      _address(items), len(items), _address(tokens), len(tokens)), "lookup")
+        # Addresses kept, no helper calls: on a step that finds nothing this wrapper is most of the cost.
+        count = self._c.step(self._handle, None if cache is None else cache._handle, new_address, len(new), max_match,
+                             max_depth, spec_factor, self._items_address, len(items), self._tokens_address,
+                             len(tokens))
+        if count < 0:
+            _checked(count, "lookup")
         if count == 0:
             return _NOTHING
         depth = items[1]
