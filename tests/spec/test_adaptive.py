@@ -8,8 +8,14 @@ from typing import Any
 import pytest
 
 from specdec.llm import LLM
-from specdec.spec.adaptive import (LOOKUP_EVERY, LOOKUP_PATIENCE, OPTION_EVERY, PROBE_EVERY, AdaptiveSpeculation,
-                                   CostModel)
+from specdec.spec.adaptive import (
+    LOOKUP_EVERY,
+    LOOKUP_PATIENCE,
+    OPTION_EVERY,
+    PROBE_EVERY,
+    AdaptiveSpeculation,
+    CostModel,
+)
 from specdec.spec.policy import DraftLimit, DraftOption, FixedSpeculation, SpeculationPolicy, StepReport
 from specdec.spec.tree import DraftTree
 from tests.helpers import assert_all_blocks_free, greedy, random_prompts, token_ids
