@@ -187,6 +187,7 @@ class SuffixIndex:
         if len(self._tokens) < MAX_FOUND * max_depth:
             self._tokens = array("i", bytes(4 * MAX_FOUND * max_depth))
             self._tokens_address = _address(self._tokens)
+        new_address: int | None
         if len(new_tokens) == 1:  # a decode step's one committed token: the reused buffer
             self._new[0] = new_tokens[0]
             new, new_address = self._new, self._new_address
