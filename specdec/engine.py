@@ -212,6 +212,7 @@ class LLMEngine:
             batch, trees = _without(batch, trees, faults)
             if not batch:
                 return outputs + self._settle()
+        trees = self._reserve_drafts(batch, trees)
         draft_seconds = watch.lap()
         self.step_timer.drafted()
         try:
@@ -224,7 +225,7 @@ class LLMEngine:
             verified = self._verify(batch, trees, output)
         except Exception:
             return outputs + self._fail_step(batch)
-        self._advance(batch, trees)
+        self._advance(batch)
         self.metrics.num_steps += 1
         if verified is None:  # left in flight; a request whose logits processing failed ends now
             return outputs + self._fail_each(batch, self.pipeline.faults())
@@ -249,18 +250,14 @@ class LLMEngine:
             return None
         return verify(batch, trees, output)
 
-    def _advance(self, batch: list[ScheduledRequest], trees: list[DraftTree]) -> None:
+    def _advance(self, batch: list[ScheduledRequest]) -> None:
         """The step's known tokens and roots are in the KV cache (or queued there); a
-        request given logits has a token coming, pending until it is committed. KV slots
-        reserved for drafts that were not drafted are freed now: by the time a step in
-        flight is committed, the next step may have reserved slots of its own."""
-        for item, tree in zip(batch, trees):
+        request given logits has a token coming, pending until it is committed."""
+        for item in batch:
             request = item.request
             if item.completes_prompt:
                 request.num_pending += 1
             request.num_computed_tokens += item.num_new_tokens
-            if not tree.num_drafts:
-                self.block_manager.truncate(request, request.num_computed_tokens)
 
     def _settle(self) -> list[RequestOutput]:
         """Commit the step in flight, if any: its tokens, read back one step late."""
@@ -301,6 +298,21 @@ class LLMEngine:
             # the drafter contract, enforced (a root alone has nothing to cut)
             trees[i] = tree.prune(batch[i].num_draft_tokens, batch[i].max_depth) if tree.num_drafts else tree
         return self.policy.select(trees), faults
+
+    def _reserve_drafts(self, batch: list[ScheduledRequest], trees: list[DraftTree]) -> list[DraftTree]:
+        """KV slots for each tree's drafts beside the step's known tokens, reserved only now
+        that they are drafted (most steps of open text draft nothing, and a reservation
+        then freed costs those steps time); a tree the pool has no room for is cut to its
+        root: a draft never preempts a request. What a verify leaves unused is freed when
+        its step commits."""
+        for i, (item, tree) in enumerate(zip(batch, trees)):
+            if not tree.num_drafts:
+                continue
+            if self.block_manager.can_allocate(item.request, item.num_new_tokens + tree.num_drafts):
+                self.block_manager.allocate(item.request, item.num_new_tokens + tree.num_drafts)
+            else:
+                trees[i] = tree.subtree([0])
+        return trees
 
     def _draft(self, batch: list[ScheduledRequest], wanted: list[int]) -> list[DraftTree]:
         """The drafter's trees for the wanted requests, with a costlier source it offers

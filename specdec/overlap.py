@@ -23,8 +23,8 @@ How a step of root-only trees (plain decode, prefill chunks, requests without dr
   preemption) and is recomputed later from its real tokens: the scheduler admits no waiting
   request with a token still pending, so no placeholder is ever recomputed. A request sure
   to end when its pending token lands (max_tokens reached) is not scheduled again.
-- KV slots reserved for drafts that were not drafted are freed when a step is launched,
-  not when it is committed: by then the next step may have reserved slots of its own.
+- KV slots for drafts are reserved only for what a step verifies (`LLMEngine._reserve_drafts`),
+  and a step left in flight verifies none: it holds no slot the next step could need.
 - A request whose logits processing fails (a grammar) ends when its step is launched: it
   has no token to feed the next step. A forward that fails commits the step in flight
   first, then fails its requests, as the synchronous engine would have.

@@ -36,7 +36,7 @@ class ScheduledRequest:
 
     request: Request
     num_new_tokens: int  # known tokens to run (prefill chunk or the last sampled token)
-    num_draft_tokens: int = 0  # draft tree nodes beyond the root, KV slots reserved for them
+    num_draft_tokens: int = 0  # draft tree nodes beyond the root granted (KV slots: reserved once drafted)
     max_depth: int = 0  # the longest draft path that can still be committed this step
 
     def num_query_tokens(self, tree: DraftTree) -> int:
@@ -82,15 +82,14 @@ class Scheduler:
                              self.pacer.limit(others_decoding=any(r.is_decoding for r in self.running)))
         running, preempted = self._schedule_running(budget)
         admitted = [] if preempted else self._schedule_waiting(budget)
-        grants = [self._reserve_drafts(request, num_new, drafts)
-                  for (request, num_new, _), drafts in zip(running, self._grant(running, admitted))]
+        grants = self._grant(running, admitted)
         return [ScheduledRequest(request, num_new, drafts, min(limit.max_depth, drafts) if limit else 0)
                 for (request, num_new, limit), drafts in zip(running, grants)] + admitted
 
     def _schedule_running(self, budget: _StepBudget) -> tuple[list[tuple[Request, int, DraftLimit | None]], bool]:
         """Known tokens and draft limit per running request, oldest first, while the token
-        budget lasts; KV blocks are reserved for the known tokens (a grant's draft slots
-        once the policy has granted them: most steps of open text draft nothing)."""
+        budget lasts; KV blocks are reserved for the known tokens (draft slots by the engine,
+        for the drafts a step verifies: most steps of open text draft nothing)."""
         planned: list[tuple[Request, int, DraftLimit | None]] = []
         preempted = False
         i = 0
@@ -118,15 +117,6 @@ class Scheduler:
                         + sum(i.completes_prompt for i in admitted))
         grants = iter(self.policy.grant(limits, base_tokens, base_commits) if limits else [])
         return [next(grants) if limit is not None else 0 for _, _, limit in running]
-
-    def _reserve_drafts(self, request: Request, num_new: int, drafts: int) -> int:
-        """The granted draft tokens, with KV slots reserved for them beside the step's known
-        tokens; 0 where the pool has no room (a draft never preempts a request; what a
-        verify leaves unused is freed when its step commits)."""
-        if drafts == 0 or not self.block_manager.can_allocate(request, num_new + drafts):
-            return 0
-        self.block_manager.allocate(request, num_new + drafts)
-        return drafts
 
     def _draft_limit(self, request: Request, budget: int) -> DraftLimit | None:
         if self.spec is None or not (request.is_decoding and request.use_speculation):

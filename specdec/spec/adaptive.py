@@ -80,7 +80,7 @@ LOOKUP_EVERY = 2
 # one is taken, every step): offering and weighing the heads cost as much as a lookup, and
 # where they do not pay (the CPU at batch 1, mostly) they seldom start paying from one step
 # to the next.
-OPTION_EVERY = 4
+OPTION_EVERY = 8
 
 
 class CostModel:

@@ -101,3 +101,29 @@ def test_exhausted_kv_completes_everything_in_order(tiny_model_dir: Any, specula
         # (several may finish on the same step).
         steps = [small.finish_step[rid] for rid in small.ids]
         assert steps == sorted(steps)
+
+
+def test_draft_slots_are_reserved_once_drafted_and_a_full_pool_cuts_the_draft(tiny_model_dir: Any) -> None:
+    """The scheduler reserves KV for known tokens only; the engine reserves a tree's draft
+    slots once it is drafted, and where the pool has no room the tree is cut to its root
+    (a draft never preempts a request)."""
+    from specdec.request import Request
+    from specdec.spec.tree import DraftTree
+
+    llm = engine(tiny_model_dir, AMPLE_POOL, NGRAM)
+    core, blocks = llm.engine, llm.engine.block_manager
+    request = Request("r", list(range(1, 15)), SamplingParams(max_tokens=8), None, 8, set())  # 14 tokens
+    request.num_computed_tokens = 14
+    blocks.allocate(request, 0)
+    item = ScheduledRequest(request, 1, 4, 4)
+    held = len(request.block_table)
+    drafted = DraftTree.chain([5, 6, 7, 8])
+    assert core._reserve_drafts([item], [drafted]) == [drafted]
+    assert len(request.block_table) == blocks.blocks_needed(14 + 1 + 3) > held
+    blocks.truncate(request, 14)
+    taken = [blocks._take_free() for _ in range(blocks.num_free_blocks)]  # nothing left
+    cut = core._reserve_drafts([item], [drafted])[0]
+    assert cut.token_ids == [5] and len(request.block_table) == held
+    for block in taken:
+        blocks._release(block.block_id)
+    blocks.free(request)
