@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import Drafter, DraftRequest
 from specdec.drafters.suffix_cache import SuffixCache
-from specdec.drafters.suffix_index import Lookup, SuffixIndex
+from specdec.drafters.suffix_index import Lookup, SuffixIndex, native_index
 from specdec.drafters.suffix_tree import build_draft
 from specdec.spec.tree import DraftTree, ScoredDraft
 
@@ -53,6 +53,7 @@ class SuffixDraft:
 
 class SuffixDrafter(Drafter):
     def __init__(self, spec: SpeculativeConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        native_index()  # built now: without a C++ compiler the engine fails to start, not each request's draft
         self.max_match = spec.suffix_max_depth
         self.spec_factor = spec.suffix_spec_factor
         self.min_prob = spec.suffix_min_prob

@@ -93,6 +93,11 @@ def _native() -> _Native:
     return _Native()
 
 
+def native_index() -> None:
+    """Build and load the C++ index now (raises KernelBuildError, naming the compiler, if it cannot)."""
+    _native()
+
+
 def _checked(status: int, what: str) -> int:
     if status < 0:
         if status == -2:

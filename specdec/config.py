@@ -432,7 +432,12 @@ def default_speculative_config(model: str, device: torch.device) -> SpeculativeC
     and falls to plain decoding where drafting does not pay.
 
     The shipped recurrent heads join suffix decoding for the default model only (heads are
-    trained for one target); they load in the model's dtype on its device."""
+    trained for one target); they load in the model's dtype on its device. Where the suffix
+    index's C++ cannot be built (no compiler), plain decoding, with one warning."""
+    from specdec.kernels import cpu_build
+
+    if not cpu_build.builds("suffix_index", "plain decoding: the default speculation's suffix index is C++"):
+        return None
     config = SpeculativeConfig(method="hybrid", num_speculative_tokens=DEFAULT_DRAFT_DEPTH,
                                num_tree_nodes=DEFAULT_TREE_NODES, adaptive=True,
                                model=DEFAULT_HEADS if model == DEFAULT_MODEL else None)

@@ -358,3 +358,32 @@ def test_bench_suffix_reports_costs_and_the_cache_helps(capsys: pytest.CaptureFi
     assert steps["suffix (full cache)"]["tokens_per_step"] > steps["suffix (own context only)"]["tokens_per_step"]
     assert all(s["propose_us_median"] > 0 for s in steps.values())
     assert "| suffix (full cache) |" in capsys.readouterr().out
+
+
+def test_without_a_compiler_the_default_is_plain_and_suffix_drafting_fails_at_start(monkeypatch: Any) -> None:
+    """The index is C++: where it cannot be built, the default speculation turns into plain
+    decoding (one warning) and an explicit suffix drafter fails when the engine is built,
+    naming the cause, rather than failing every request's draft."""
+    import torch
+
+    from specdec.config import default_speculative_config
+    from specdec.drafters import suffix_index
+    from specdec.kernels import cpu_build
+    from specdec.model_registry import DEFAULT_MODEL
+
+    assert default_speculative_config(DEFAULT_MODEL, torch.device("cpu")) is not None
+    real_builds = cpu_build.builds
+    monkeypatch.setattr(cpu_build, "builds",
+                        lambda name, fallback: name != "suffix_index" and real_builds(name, fallback))
+    assert default_speculative_config(DEFAULT_MODEL, torch.device("cpu")) is None
+
+    def no_compiler(name: str) -> Any:
+        raise cpu_build.KernelBuildError(f"cannot build {name}: [Errno 2] No such file or directory: 'g++'")
+
+    monkeypatch.setattr(cpu_build, "load", no_compiler)
+    suffix_index._native.cache_clear()
+    try:
+        with pytest.raises(cpu_build.KernelBuildError, match="g\\+\\+"):
+            SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=4))
+    finally:
+        suffix_index._native.cache_clear()
