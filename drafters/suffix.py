@@ -39,7 +39,6 @@ class RequestContext:
 
     index: SuffixIndex  # its prompt and committed output
     output_start: int  # where its output begins, as far as the first propose could tell
-    indexed: int = 0  # tokens in the index (kept here: reading the native index's end is a call)
 
 
 @dataclass(frozen=True)
@@ -76,11 +75,10 @@ class SuffixDrafter(Drafter):
         One native call: most steps of open text find nothing."""
         token_ids = request.token_ids
         state = self.contexts.get(request.request_id)
-        if state is None or len(token_ids) < state.indexed:  # new, or its history was rewritten
+        if state is None or len(token_ids) < state.index.end:  # new, or its history was rewritten
             # The root is the first output token when a request is first seen right after its prefill.
             state = self.contexts[request.request_id] = RequestContext(SuffixIndex(), len(token_ids) - 1)
-        new = token_ids[state.indexed:]
-        state.indexed = len(token_ids)
+        new = token_ids[state.index.end:]
         cache = None if self.cache is None else self.cache.live_index()
         return state.index.lookup(cache, self.max_match, request.max_depth, self.spec_factor, new)
 
