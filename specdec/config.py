@@ -438,19 +438,20 @@ def default_speculative_config(model: str, device: torch.device) -> SpeculativeC
 
     if not cpu_build.builds("suffix_index", "plain decoding: the default speculation's suffix index is C++"):
         return None
-    config = SpeculativeConfig(method="hybrid", num_speculative_tokens=DEFAULT_DRAFT_DEPTH,
-                               num_tree_nodes=DEFAULT_TREE_NODES, adaptive=True,
-                               model=DEFAULT_HEADS if model == DEFAULT_MODEL else None)
-    config.validate()
-    return config
+    return _hybrid_config(DEFAULT_HEADS if model == DEFAULT_MODEL else None)
 
 
 def eagle3_hybrid_config() -> SpeculativeConfig:
     """The default's adaptive hybrid drafting with the shipped EAGLE-3 head (for
     DEFAULT_MODEL) in place of the recurrent heads, to measure against the default; pass it
     (or its fields as JSON) as speculative_config."""
+    return _hybrid_config(EAGLE3_HEADS)
+
+
+def _hybrid_config(heads: str | None) -> SpeculativeConfig:
+    """The default's adaptive hybrid drafting with these heads (None: suffix decoding alone)."""
     config = SpeculativeConfig(method="hybrid", num_speculative_tokens=DEFAULT_DRAFT_DEPTH,
-                               num_tree_nodes=DEFAULT_TREE_NODES, adaptive=True, model=EAGLE3_HEADS)
+                               num_tree_nodes=DEFAULT_TREE_NODES, adaptive=True, model=heads)
     config.validate()
     return config
 
