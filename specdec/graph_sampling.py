@@ -26,7 +26,7 @@ from torch import Tensor
 
 from specdec.logits_processors import needs_processing
 from specdec.request import Request
-from specdec.sampler import RACE_STREAM, argmax, keyed_generator
+from specdec.sampler import argmax, keyed_race_noise
 
 NO_TOKEN = -1  # a request the step decided no token for (mid-prefill, a fault, or left to the host path)
 
@@ -56,11 +56,6 @@ class GraphTokens:
 
     tokens: Tensor  # [B] int64 on the device: NO_TOKEN outside `rows`
     rows: list[int]  # batch indices the graph sampled (RootSampling.rows)
-
-
-def keyed_race_noise(seed: int, position: int, vocab: int) -> Tensor:  # [vocab] float32 on the host
-    """The exponentials of a seeded row's race at `position`: sampler.sample_keyed's draw."""
-    return torch.empty(vocab).exponential_(generator=keyed_generator(seed, position, RACE_STREAM))
 
 
 class GraphSampler:

@@ -269,6 +269,12 @@ def sample_keyed(probs: Tensor, seeds: list[int], positions: list[int]) -> Tenso
     return sample_probs(probs, [keyed_generator(s, t, RACE_STREAM) for s, t in zip(seeds, positions)])
 
 
+def keyed_race_noise(seed: int, position: int, vocab: int) -> Tensor:  # [vocab] float32 on the host
+    """The V exponentials `sample_keyed` races with at (seed, position), drawn alone (the
+    CUDA graphs' sampler fills its static noise with them, specdec/graph_sampling.py)."""
+    return _exponential(vocab, keyed_generator(seed, position, RACE_STREAM))
+
+
 def keyed_uniforms(seed: int, position: int, count: int) -> Tensor:
     """[count] uniforms in [0, 1) keyed by (seed, position), on the CPU. A prefix of a longer
     draw with the same key: the j-th value does not depend on count."""

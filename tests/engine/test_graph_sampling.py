@@ -24,11 +24,11 @@ import torch  # noqa: E402
 from specdec import cuda_graphs, overlap  # noqa: E402
 from specdec import engine as engine_module  # noqa: E402
 from specdec.cuda_graphs import CudaGraphs  # noqa: E402
-from specdec.graph_sampling import NO_TOKEN, GraphSampler, RootSampling, keyed_race_noise  # noqa: E402
+from specdec.graph_sampling import NO_TOKEN, GraphSampler, RootSampling  # noqa: E402
 from specdec.llm import LLM  # noqa: E402
 from specdec.model_runner import ForwardOutput  # noqa: E402
 from specdec.request import Request  # noqa: E402
-from specdec.sampler import SamplingTensors, argmax, logits_to_probs, sample_keyed  # noqa: E402
+from specdec.sampler import SamplingTensors, argmax, keyed_race_noise, logits_to_probs, sample_keyed  # noqa: E402
 from specdec.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from specdec.scheduler import ScheduledRequest  # noqa: E402
 from tests.engine.test_overlap import make_llm, stream  # noqa: E402
